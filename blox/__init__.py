@@ -1,0 +1,66 @@
+"""blox: pure-functional neural networks in JAX with explicit state.
+
+The whole mental model::
+
+    outputs, params = model(params, inputs)
+
+`Graph` names the structure, `Params` holds every array (weights, RNG state, running
+statistics), modules are static configuration. Users call ``jax.jit``, ``jax.grad``,
+``jax.vmap`` and ``jax.shard_map`` themselves. `Rng` does not fold ``vmap``/
+``shard_map`` axes on its own: fold an axis index into the seed for per-lane keys.
+"""
+
+from importlib import metadata as _metadata
+
+from blox import core as core
+from blox import nn as nn
+from blox.core import Graph as Graph
+from blox.core import Module as Module
+from blox.core import Param as Param
+from blox.core import Params as Params
+from blox.core import RecurrenceBase as RecurrenceBase
+from blox.core import Rng as Rng
+from blox.core import SequenceBase as SequenceBase
+from blox.core import display as display
+from blox.core import dynamic_scan as dynamic_scan
+from blox.core import from_dict as from_dict
+from blox.core import named_shardings as named_shardings
+from blox.core import params_table as params_table
+from blox.core import partition_specs as partition_specs
+from blox.core import static_scan as static_scan
+from blox.core import to_dict as to_dict
+from blox.nn import LSTM as LSTM
+from blox.nn import MLP as MLP
+from blox.nn import Dropout as Dropout
+from blox.nn import Linear as Linear
+from blox.nn import LSTMState as LSTMState
+from blox.nn import Sequential as Sequential
+
+try:
+    __version__ = _metadata.version("blox")
+except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "Dropout",
+    "Graph",
+    "LSTM",
+    "LSTMState",
+    "Linear",
+    "MLP",
+    "Module",
+    "Param",
+    "Params",
+    "RecurrenceBase",
+    "Rng",
+    "SequenceBase",
+    "Sequential",
+    "display",
+    "dynamic_scan",
+    "from_dict",
+    "named_shardings",
+    "params_table",
+    "partition_specs",
+    "static_scan",
+    "to_dict",
+]

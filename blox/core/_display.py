@@ -1,0 +1,173 @@
+"""Readable text tables of `Params` and module trees; Treescope when installed."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from blox.core._graph import Graph
+from blox.core._module import Module
+from blox.core._params import Params, _thaw, format_path
+
+__all__ = ["display", "params_table", "graph_tree"]
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _describe(value: Any) -> tuple[str, str, int, int]:
+    """(shape, dtype, size, bytes) of a leaf; non-arrays show their type."""
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return type(value).__name__, "-", 0, 0
+    size = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    itemsize = getattr(dtype, "itemsize", 0) or 0
+    return str(tuple(int(d) for d in shape)), str(dtype), size, size * int(itemsize)
+
+
+def _fmt_sharding(meta: dict) -> str:
+    s = meta.get("sharding")
+    if not s:
+        return "-"
+    return "(" + ", ".join("None" if e is None else str(e) for e in s) + ")"
+
+
+def params_table(params: Params) -> str:
+    """A text table of every parameter with totals (what ``repr(params)`` shows).
+
+    Columns: path, shape, dtype, trainable, sharding, bytes.
+    """
+    s = params._struct
+    rows = [("path", "shape", "dtype", "trainable", "sharding", "bytes")]
+    total = trainable_total = nbytes = 0
+    for path, value, (trainable, meta) in zip(s.keys, params._values, s.infos, strict=True):
+        shape, dtype, size, b = _describe(value)
+        total += size
+        nbytes += b
+        if trainable:
+            trainable_total += size
+        rows.append(
+            (
+                format_path(path),
+                shape,
+                dtype,
+                "yes" if trainable else "no",
+                _fmt_sharding(_thaw(meta)),
+                f"{b:,}",
+            )
+        )
+    state = "locked" if s.locked else "unlocked"
+    head = f"Params ({state}, {len(s.keys)} arrays)"
+    if len(rows) == 1:
+        return head
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    lines = [head]
+    for r in rows:
+        cells = [
+            c.ljust(w) if i < 5 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    lines.append(
+        f"total: {total:,} values ({trainable_total:,} trainable, "
+        f"{total - trainable_total:,} other), {nbytes:,} bytes ({_fmt_bytes(nbytes)})"
+    )
+    return "\n".join(lines)
+
+
+def graph_tree(graph: Graph) -> str:
+    """A text tree of the modules below `graph` with their constructor arguments."""
+    lines = [format_path(graph.path)]
+
+    def rec(node: Graph, depth: int) -> None:
+        for child in node._children.values():
+            mod = child._module
+            desc = repr(mod).split(" at '")[0] if mod is not None else ""
+            lines.append("  " * depth + f"{child.name}: {desc}".rstrip(": "))
+            rec(child, depth + 1)
+
+    rec(graph, 1)
+    return "\n".join(lines)
+
+
+def _in_notebook() -> bool:
+    shell = sys.modules.get("IPython")
+    if shell is None:
+        return False
+    try:
+        ip = shell.get_ipython()  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
+
+
+def display(obj: Any, params: Params | None = None, *, treescope: bool | None = None) -> None:
+    """Shows a model and/or its params: module tree, then the parameter table.
+
+    Args:
+      obj: a `Graph`, a tuple of graphs, a `Module`, or `Params`.
+      params: params to list below the module tree.
+      treescope: render with Treescope (default: when running in a notebook and
+        treescope is installed); otherwise print plain text.
+    """
+    if treescope is None:
+        treescope = _in_notebook()
+    if treescope:
+        try:
+            import treescope as ts
+        except ImportError:
+            treescope = False
+        else:
+            ts.display(obj if params is None else (obj, params))
+            return
+    parts = []
+    graphs = obj if isinstance(obj, tuple) else (obj,)
+    for g in graphs:
+        if isinstance(g, Graph):
+            parts.append(graph_tree(g))
+        elif isinstance(g, Module):
+            parts.append(repr(g) + "\n" + graph_tree(g.graph))
+        elif isinstance(g, Params):
+            parts.append(params_table(g))
+        else:
+            raise TypeError(
+                f"display expects a Graph, Module, Params or a tuple of them, got "
+                f"{type(g).__name__}."
+            )
+    if params is not None:
+        parts.append(params_table(params))
+    print("\n\n".join(parts))
+
+
+def params_treescope_repr(params: Params, path: str | None, subtree_renderer: Any) -> Any:
+    from treescope import repr_lib
+
+    s = params._struct
+    fields = {format_path(k): v for k, v in zip(s.keys, params._values, strict=True)}
+    return repr_lib.render_dictionary_wrapper(
+        object_type=type(params),
+        wrapped_dict=fields,
+        path=path,
+        subtree_renderer=subtree_renderer,
+        roundtrippable=False,
+    )
+
+
+def module_treescope_repr(module: Module, path: str | None, subtree_renderer: Any) -> Any:
+    from treescope import repr_lib
+
+    return repr_lib.render_object_constructor(
+        object_type=type(module),
+        attributes={"path": format_path(module.graph.path), **module._init_args},
+        path=path,
+        subtree_renderer=subtree_renderer,
+        roundtrippable=False,
+    )

@@ -1,0 +1,285 @@
+"""`Module`: the base class of every blox layer."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blox.core._graph import Graph
+from blox.core._params import Params, Path, _make_info, _thaw, format_path
+
+if TYPE_CHECKING:
+    from blox.core._rng import Rng
+
+__all__ = ["Module", "Initializer"]
+
+Initializer = Callable[..., Any]
+
+_NOT_INITIALIZED = (
+    "Module '{cls}' failed to initialize. Did you forget to call super().__init__(graph) "
+    "in {cls}.__init__?"
+)
+
+_CREATE_LOCKED = (
+    "Parameter '{path}' is missing and the params are locked, so it cannot be created.\n"
+    "Locked params come from a finished initialization; a missing parameter usually means the "
+    "model changed after init or another model's params were passed. To create it anyway:\n"
+    "    params = params.unlocked()\n"
+    "    _, params = model(params, inputs)\n"
+    "    params = params.locked()"
+)
+
+
+def _dtype_kind(dtype: Any) -> str:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return "PRNG key"
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return "bool"
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return "complex"
+    if jnp.issubdtype(dtype, jnp.floating):
+        return "floating"
+    if jnp.issubdtype(dtype, jnp.integer):
+        return "integer"
+    return str(dtype)
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        return str(np.dtype(dtype))
+    except TypeError:
+        return str(dtype)
+
+
+class Module:
+    """Base class of blox modules: static configuration bound to one `Graph` node.
+
+    A module holds configuration only; every array lives in `Params`. Subclasses call
+    ``super().__init__(graph)`` and implement ``__call__(params, ...) -> (outputs,
+    params)``. Constructor arguments are recorded (for ``repr`` and `display`).
+
+    Parameters are read (or lazily created on the first call) with `get_param` and
+    replaced with `set_param`; both return new params and never mutate.
+
+    Args:
+      graph: a child node (not a root) that no other module is bound to.
+    """
+
+    graph: Graph
+    _init_args: dict[str, Any]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+        sig = inspect.signature(init)
+
+        @functools.wraps(init)
+        def wrapped(self: Module, *args: Any, **kw: Any) -> None:
+            outermost = "_init_args" not in self.__dict__
+            if outermost:
+                try:
+                    bound = sig.bind(self, *args, **kw)
+                    bound.apply_defaults()
+                    recorded = dict(list(bound.arguments.items())[1:])
+                except TypeError:
+                    recorded = {}
+                recorded.pop("graph", None)
+                self.__dict__["_init_args"] = recorded
+                self.__dict__["_init_type"] = type(self)
+            init(self, *args, **kw)
+            if outermost and "graph" not in self.__dict__:
+                raise RuntimeError(_NOT_INITIALIZED.format(cls=type(self).__name__))
+
+        cls.__init__ = wrapped  # type: ignore[method-assign]
+
+    def __init__(self, graph: Graph):
+        if not isinstance(graph, Graph):
+            raise TypeError(
+                f"{type(self).__name__} needs a Graph node as its first argument, got "
+                f"{type(graph).__name__}. Use e.g. {type(self).__name__}(graph.child('name'), ...)."
+            )
+        graph._bind(self)
+        self.graph = graph
+        if "_init_args" not in self.__dict__:
+            self.__dict__["_init_args"] = {}
+
+    # -- parameters ------------------------------------------------------------
+
+    def param_path(self, name: str) -> Path:
+        """The full path of this module's parameter `name`."""
+        return self.graph.path + (name,)
+
+    @property
+    def path_str(self) -> str:
+        """This module's path as printed in messages, e.g. ``'net/encoder/lstm'``."""
+        return format_path(self.graph.path)
+
+    def get_param(
+        self,
+        params: Params,
+        name: str,
+        shape: tuple[int, ...] | None = None,
+        init: Initializer | None = None,
+        *,
+        dtype: Any = jnp.float32,
+        trainable: bool = True,
+        metadata: dict | None = None,
+        rng: Rng | None = None,
+    ) -> tuple[jax.Array, Params]:
+        """Returns the value of parameter `name`, creating it if it is missing.
+
+        When the parameter exists, its stored shape must equal `shape` and its dtype
+        must be of the same kind as `dtype` (floating, integer, bool, complex or PRNG
+        key; a floating parameter cast to another width, e.g. bf16, is accepted).
+        When it is missing and the params are unlocked, ``init(key, shape, dtype)``
+        creates it; `key` comes from `rng` (``fold_in(seed, counter)``, counter
+        advanced for every created parameter) or is ``None`` without an `rng`.
+
+        Args:
+          params: the current params.
+          name: the parameter's name under this module's path.
+          shape: the requested shape (needed to create; checked when present).
+          init: ``init(key, shape, dtype) -> array`` (needed to create).
+          dtype: the dtype to create with.
+          trainable: stored flag (used by `Params.split`).
+          metadata: stored metadata, e.g. ``{'sharding': (None, 'model')}``.
+          rng: the `Rng` that provides initialization keys.
+
+        Returns:
+          ``(value, params)``: params is the input params when nothing was created.
+        """
+        path = self.graph.path + (name,)
+        idx = params._struct.index.get(path)
+        if idx is not None:
+            value = params._values[idx]
+            if shape is not None:
+                self._check_existing(path, value, tuple(shape), dtype)
+            return value, params
+        if shape is None or init is None:
+            raise KeyError(
+                f"Parameter '{format_path(path)}' not found. To create a new parameter, "
+                "provide shape and init: get_param(params, name, shape, init)."
+            )
+        if params.is_locked:
+            raise KeyError(_CREATE_LOCKED.format(path=format_path(path)))
+        shape = tuple(int(d) for d in shape)
+        if rng is not None:
+            key, params = rng(params)
+            value = init(key, shape, dtype)
+        else:
+            try:
+                value = init(None, shape, dtype)
+            except Exception as e:
+                raise TypeError(
+                    f"Initializer for parameter '{format_path(path)}' failed without a "
+                    f"key ({type(e).__name__}: {e}). Random initializers need an Rng: pass "
+                    "rng=... to get_param (layers take it as a constructor argument)."
+                ) from e
+        value = jnp.asarray(value)
+        if value.shape != shape:
+            raise ValueError(
+                f"Initializer for '{format_path(path)}' returned shape {value.shape}, "
+                f"expected {shape}. Initializers are called as init(key, shape, dtype)."
+            )
+        info = _make_info(trainable, metadata, f"'{format_path(path)}'")
+        return value, params._set(path, value, info)
+
+    @staticmethod
+    def _check_existing(path: Path, value: Any, shape: tuple[int, ...], dtype: Any) -> None:
+        vshape = getattr(value, "shape", None)
+        if vshape is None:
+            return
+        if tuple(vshape) != shape:
+            raise ValueError(
+                f"Parameter '{format_path(path)}' has shape {tuple(vshape)} in params, but "
+                f"shape {shape} was requested. The input probably has a different size than "
+                "at initialization; re-initialize the params or fix the input shape."
+            )
+        vdtype = getattr(value, "dtype", None)
+        if vdtype is None or dtype is None:
+            return
+        if _dtype_kind(vdtype) != _dtype_kind(dtype):
+            raise ValueError(
+                f"Parameter '{format_path(path)}' is stored as {vdtype} "
+                f"({_dtype_kind(vdtype)}), but {_dtype_name(dtype)} ({_dtype_kind(dtype)}) "
+                "was requested. Cast it back, or re-initialize."
+            )
+
+    def set_param(
+        self,
+        params: Params,
+        name: str,
+        value: Any = None,
+        trainable: bool | None = None,
+        metadata: dict | None = None,
+    ) -> Params:
+        """Returns new params with parameter `name` updated (allowed on locked params).
+
+        Args:
+          params: the current params; the parameter must exist.
+          name: the parameter's name under this module's path.
+          value: the new value (a ``jax.Array``), or ``None`` to keep it.
+          trainable: the new flag, or ``None`` to keep it.
+          metadata: entries merged into the stored metadata, or ``None``.
+        """
+        path = self.graph.path + (name,)
+        idx = params._struct.index.get(path)
+        if idx is None:
+            raise KeyError(
+                f"Path '{format_path(path)}' not found. set_param updates existing "
+                "parameters; create it first with get_param(params, name, shape, init)."
+            )
+        if value is None and trainable is None and metadata is None:
+            raise ValueError(
+                f"set_param('{format_path(path)}') got nothing to change; pass value=, "
+                "trainable= or metadata=."
+            )
+        if value is not None and not isinstance(value, jax.Array):
+            raise TypeError(
+                f"value must be a jax.Array, got {type(value).__name__} for "
+                f"'{format_path(path)}'. Convert it with jnp.asarray(value)."
+            )
+        info = None
+        if trainable is not None or metadata is not None:
+            old_t, old_m = params._struct.infos[idx]
+            meta = _thaw(old_m)
+            meta.update(metadata or {})
+            info = _make_info(old_t if trainable is None else trainable, meta, format_path(path))
+        if value is None:
+            value = params._values[idx]
+        return params._set(path, value, info)
+
+    # -- calling -------------------------------------------------------------
+
+    def __call__(self, params: Params, *args: Any, **kwargs: Any) -> tuple[Any, Params]:
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement __call__(params, ...) -> (outputs, params)."
+        )
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={_short(v)}" for k, v in self._init_args.items())
+        return f"{type(self).__name__}({args}) at '{self.path_str}'"
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        from blox.core._display import module_treescope_repr
+
+        return module_treescope_repr(self, path, subtree_renderer)
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, Module):
+        return f"<{type(v).__name__} '{v.path_str}'>"
+    if callable(v) and hasattr(v, "__name__"):
+        return v.__name__
+    if isinstance(v, (list, tuple)) and len(v) > 8:
+        return f"[{len(v)} items]"
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."

@@ -1,0 +1,198 @@
+"""Dense layers: `Linear` and `MLP`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from blox.core import Graph, Module, Params, Rng
+
+__all__ = ["Linear", "MLP", "compute_dtype"]
+
+_default_kernel_init = jax.nn.initializers.lecun_normal()
+_default_bias_init = jax.nn.initializers.zeros
+
+
+def compute_dtype(x: jax.Array, param_dtype: Any, dtype: Any | None) -> Any:
+    """The dtype a layer computes in: `dtype` if given, else the promotion of the input
+    dtype and `param_dtype` (so f32 params with bf16 inputs compute in f32)."""
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    return jnp.promote_types(x.dtype, param_dtype)
+
+
+class Linear(Module):
+    """An affine map over the last axis: ``y = x @ kernel + bias``.
+
+    Shapes: ``(..., D_in)`` -> ``(..., output_size)``; any number of leading axes.
+
+    Args:
+      graph: this module's node.
+      output_size: ``D_out``.
+      rng: the `Rng` that provides initialization keys.
+      use_bias: add a bias.
+      kernel_init: ``init(key, shape, dtype)``; default LeCun normal (fan-in).
+      bias_init: default zeros.
+      kernel_metadata: stored with the kernel, e.g. ``{'sharding': (None, 'model')}``.
+      bias_metadata: stored with the bias.
+      dtype: the compute dtype; default: the promotion of the input and param dtypes.
+      param_dtype: the dtype parameters are created in (default float32).
+
+    Parameters: ``<path>/kernel`` ``(D_in, D_out)``, ``<path>/bias`` ``(D_out,)``.
+
+    >>> import blox as bx, jax.numpy as jnp
+    >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
+    >>> layer = bx.Linear(g / 'fc', 3, rng)
+    >>> y, params = layer(rng.seed(bx.Params(), seed=0), jnp.ones((2, 5)))
+    >>> y.shape, params[('net', 'fc', 'kernel')].value.shape
+    ((2, 3), (5, 3))
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        output_size: int,
+        rng: Rng | None,
+        use_bias: bool = True,
+        kernel_init: Callable = _default_kernel_init,
+        bias_init: Callable = _default_bias_init,
+        kernel_metadata: dict | None = None,
+        bias_metadata: dict | None = None,
+        *,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(graph)
+        if not isinstance(output_size, int) or output_size <= 0:
+            raise ValueError(
+                f"Linear '{self.path_str}': output_size must be a positive int, got "
+                f"{output_size!r}."
+            )
+        self.output_size = output_size
+        self.rng = rng
+        self.use_bias = use_bias
+        self.kernel_init = kernel_init
+        self.bias_init = bias_init
+        self.kernel_metadata = kernel_metadata
+        self.bias_metadata = bias_metadata
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+    def __call__(
+        self, params: Params, x: jax.Array, precision: Any = None
+    ) -> tuple[jax.Array, Params]:
+        """Applies the layer. ``x``: ``(..., D_in)``; returns ``((..., D_out), params)``."""
+        x = jnp.asarray(x)
+        if x.ndim == 0:
+            raise ValueError(
+                f"Linear '{self.path_str}': input must not be scalar; expected shape "
+                "(..., in_features). Use x[None] for a single feature."
+            )
+        in_features = x.shape[-1]
+        existing = params._get_value(self.param_path("kernel"))
+        if existing is not None and hasattr(existing, "shape"):
+            if existing.shape[0] != in_features:
+                raise ValueError(
+                    f"Linear '{self.path_str}' expects inputs of shape (..., "
+                    f"{existing.shape[0]}) (kernel {tuple(existing.shape)}), got input shape "
+                    f"{tuple(x.shape)}. Fix the input's last dimension or re-initialize."
+                )
+        kernel, params = self.get_param(
+            params,
+            "kernel",
+            (in_features, self.output_size),
+            self.kernel_init,
+            dtype=self.param_dtype,
+            metadata=self.kernel_metadata,
+            rng=self.rng,
+        )
+        cd = compute_dtype(x, self.param_dtype, self.dtype)
+        y = jnp.dot(x.astype(cd), kernel.astype(cd), precision=precision)
+        if self.use_bias:
+            bias, params = self.get_param(
+                params,
+                "bias",
+                (self.output_size,),
+                self.bias_init,
+                dtype=self.param_dtype,
+                metadata=self.bias_metadata,
+                rng=self.rng,
+            )
+            y = y + bias.astype(cd)
+        return y, params
+
+
+class MLP(Module):
+    """A stack of `Linear` layers with an activation between them.
+
+    Shapes: ``(..., D_in)`` -> ``(..., output_sizes[-1])``.
+
+    Args:
+      graph: this module's node.
+      output_sizes: the width of each layer, e.g. ``(64, 64, 10)``.
+      rng: the `Rng` for initialization.
+      activation: applied after every layer but the last (default ``jax.nn.relu``).
+      activate_final: also apply it after the last layer.
+      use_bias: biases in every layer.
+      kernel_init, bias_init: passed to each `Linear`.
+      dtype, param_dtype: passed to each `Linear`.
+
+    Parameters: ``<path>/linear_<i>/kernel`` and ``<path>/linear_<i>/bias`` for each
+    layer ``i``.
+
+    >>> import blox as bx, jax.numpy as jnp
+    >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
+    >>> mlp = bx.MLP(g / 'mlp', (8, 2), rng)
+    >>> y, params = mlp(rng.seed(bx.Params(), seed=0), jnp.ones((4, 3)))
+    >>> y.shape
+    (4, 2)
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        output_sizes: Sequence[int],
+        rng: Rng | None,
+        activation: Callable[[jax.Array], jax.Array] = jax.nn.relu,
+        activate_final: bool = False,
+        use_bias: bool = True,
+        kernel_init: Callable = _default_kernel_init,
+        bias_init: Callable = _default_bias_init,
+        *,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(graph)
+        output_sizes = tuple(output_sizes)
+        if not output_sizes:
+            raise ValueError(f"MLP '{self.path_str}': output_sizes must not be empty.")
+        self.output_sizes = output_sizes
+        self.activation = activation
+        self.activate_final = activate_final
+        self.layers = [
+            Linear(
+                graph.child(f"linear_{i}"),
+                size,
+                rng,
+                use_bias=use_bias,
+                kernel_init=kernel_init,
+                bias_init=bias_init,
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
+            for i, size in enumerate(output_sizes)
+        ]
+
+    def __call__(
+        self, params: Params, x: jax.Array, precision: Any = None
+    ) -> tuple[jax.Array, Params]:
+        """Applies the MLP. ``x``: ``(..., D_in)``; returns ``((..., D_out), params)``."""
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, params = layer(params, x, precision=precision)
+            if i < last or self.activate_final:
+                x = self.activation(x)
+        return x, params
