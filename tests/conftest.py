@@ -16,3 +16,20 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "standard_promotion: run with standard dtype promotion (Optax itself is not "
+        "strict-promotion clean, e.g. `b1 ** count` mixes float and int32).",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _dtype_promotion(request):
+    mode = "standard" if request.node.get_closest_marker("standard_promotion") else "strict"
+    with jax.numpy_dtype_promotion(mode):
+        yield

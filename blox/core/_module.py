@@ -87,8 +87,12 @@ class Module:
             if outermost:
                 try:
                     bound = sig.bind(self, *args, **kw)
-                    bound.apply_defaults()
-                    recorded = dict(list(bound.arguments.items())[1:])
+                    # Only arguments that differ from their defaults (for a short repr).
+                    recorded = {
+                        k: v
+                        for k, v in list(bound.arguments.items())[1:]
+                        if not _is_default(v, sig.parameters[k].default)
+                    }
                 except TypeError:
                     recorded = {}
                 recorded.pop("graph", None)
@@ -274,12 +278,25 @@ class Module:
         return module_treescope_repr(self, path, subtree_renderer)
 
 
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    if default is inspect.Parameter.empty:
+        return False
+    try:
+        return type(value) is type(default) and bool(value == default)
+    except Exception:
+        return False
+
+
 def _short(v: Any) -> str:
     if isinstance(v, Module):
         return f"<{type(v).__name__} '{v.path_str}'>"
     if callable(v) and hasattr(v, "__name__"):
         return v.__name__
-    if isinstance(v, (list, tuple)) and len(v) > 8:
-        return f"[{len(v)} items]"
+    if isinstance(v, (list, tuple)) and any(isinstance(e, Module) or callable(e) for e in v):
+        inner = ", ".join(_short(e) for e in v)
+        r = f"[{inner}]" if isinstance(v, list) else f"({inner})"
+        return r if len(r) <= 80 else f"[{len(v)} items]"
     r = repr(v)
     return r if len(r) <= 60 else r[:57] + "..."

@@ -121,7 +121,7 @@ class Linear(Module):
                 metadata=self.bias_metadata,
                 rng=self.rng,
             )
-            y = y + bias.astype(cd)
+            y = y + jnp.broadcast_to(bias.astype(cd), y.shape)
         return y, params
 
 
