@@ -107,8 +107,10 @@ def main(argv: list[str] | None = None) -> float:
         params, opt_state, loss = train_step(params, opt_state, x_train[idx], y_train[idx])
         if step == 1:
             loss.block_until_ready()
-            print(f"step {step:5d}  loss {float(loss):.4f}  (compiled in "
-                  f"{time.perf_counter() - t0:.2f} s)")
+            print(
+                f"step {step:5d}  loss {float(loss):.4f}  (compiled in "
+                f"{time.perf_counter() - t0:.2f} s)"
+            )
             t0 = time.perf_counter()
         elif step % report == 0 or step == steps:
             test = float(evaluate(params, x_test, y_test))

@@ -17,11 +17,14 @@ _default_bias_init = jax.nn.initializers.zeros
 
 
 def compute_dtype(x: jax.Array, param_dtype: Any, dtype: Any | None) -> Any:
-    """The dtype a layer computes in: `dtype` if given, else the promotion of the input
-    dtype and `param_dtype` (so f32 params with bf16 inputs compute in f32)."""
+    """The dtype a layer computes in: `dtype` if given, else the standard JAX promotion
+    of the input dtype and the (stored) parameter dtype, so f32 params with bf16 inputs
+    compute in f32 and bf16 params with bf16 inputs in bf16. The casts are explicit, so
+    layers also run under ``jax_numpy_dtype_promotion='strict'``."""
     if dtype is not None:
         return jnp.dtype(dtype)
-    return jnp.promote_types(x.dtype, param_dtype)
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.promote_types(x.dtype, param_dtype)
 
 
 class Linear(Module):
@@ -109,7 +112,7 @@ class Linear(Module):
             metadata=self.kernel_metadata,
             rng=self.rng,
         )
-        cd = compute_dtype(x, self.param_dtype, self.dtype)
+        cd = compute_dtype(x, kernel.dtype, self.dtype)
         y = jnp.dot(x.astype(cd), kernel.astype(cd), precision=precision)
         if self.use_bias:
             bias, params = self.get_param(

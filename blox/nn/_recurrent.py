@@ -92,14 +92,17 @@ class LSTM(RecurrenceBase):
             **extra,
         )
 
-    def _state_dtype(self, x: jax.Array) -> Any:
-        return compute_dtype(x, self.param_dtype, self.dtype)
+    def _state_dtype(self, params: Params, x: jax.Array) -> Any:
+        kernel = params._get_value(self.gates.param_path("kernel"))
+        pdt = getattr(kernel, "dtype", None) or self.param_dtype
+        return compute_dtype(x, pdt, self.dtype)
 
     def initial_state(self, params: Params, inputs: Any) -> tuple[LSTMState, Params]:
-        """Zeros ``[B, H]`` for hidden and cell; B is ``inputs.shape[0]``."""
+        """Zeros ``[B, H]`` for hidden and cell; B is ``inputs.shape[0]``; the dtype is
+        the compute dtype (see `Linear`)."""
         x = jnp.asarray(jax.tree.leaves(inputs)[0])
         shape = (x.shape[0], self.hidden_size)
-        dt = self._state_dtype(x)
+        dt = self._state_dtype(params, x)
         return LSTMState(jnp.zeros(shape, dt), jnp.zeros(shape, dt)), params
 
     def __call__(
@@ -133,7 +136,7 @@ class LSTM(RecurrenceBase):
                     f"{self.hidden_size}), got input shape {tuple(x.shape)}."
                 )
         h, c = self.maybe_reset_state(params, prev_state, x, is_reset)
-        dt = self._state_dtype(x)
+        dt = self._state_dtype(params, x)
         gates, params = self.gates(params, jnp.concatenate([x.astype(dt), h], axis=-1))
         i, g, f, o = jnp.split(gates, 4, axis=-1)
         c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)

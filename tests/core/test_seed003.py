@@ -52,9 +52,7 @@ def test_vmap_explicit_index_pattern_gives_distinct_masks_per_lane():
         jax.random.key_data(jax.random.key(42)).tolist()
     )
     # Without folding, all lanes share one mask (the documented sharp edge).
-    same, _ = jax.vmap(lambda p, x: dropout(p, x, is_training=True), in_axes=(None, 0))(
-        params, x
-    )
+    same, _ = jax.vmap(lambda p, x: dropout(p, x, is_training=True), in_axes=(None, 0))(params, x)
     assert len({m.tobytes() for m in np.asarray(same != 0)}) == 1
     assert new_params[("net", "rng", "counter")].value.shape == (4,)
 
@@ -87,7 +85,10 @@ def test_sharded_init_with_jit_out_shardings():
     graph = bx.Graph("net")
     rng = bx.Rng(graph.child("rng"))
     model = bx.Linear(
-        graph.child("fc"), 8, rng, kernel_metadata={"sharding": (None, "model")},
+        graph.child("fc"),
+        8,
+        rng,
+        kernel_metadata={"sharding": (None, "model")},
         bias_metadata={"sharding": ("model",)},
     )
     dummy_input = jnp.ones((2, 16))
@@ -167,10 +168,12 @@ def test_training_pattern_split_grad_merge():
     pred = np.where(keep, pre / 0.9, 0.0)
     dpred = 2 * (pred - y) / pred.size
     dpre = np.where(keep, dpred / 0.9, 0.0)
-    np.testing.assert_allclose(new[("net", "fc", "kernel")].value, w0 - 0.01 * x.T @ dpre,
-                               rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(new[("net", "fc", "bias")].value, b0 - 0.01 * dpre.sum(0),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        new[("net", "fc", "kernel")].value, w0 - 0.01 * x.T @ dpre, rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        new[("net", "fc", "bias")].value, b0 - 0.01 * dpre.sum(0), rtol=1e-5, atol=1e-6
+    )
     assert int(new[("net", "rng", "counter")].value) == counter0 + 1
     assert new.is_locked
 

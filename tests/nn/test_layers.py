@@ -1,0 +1,338 @@
+"""Layer contract tests: shared checks over a descriptor table, scans as a pair, errors.
+
+Numerics against PyTorch live in ``test_reference_torch.py``.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import blox as bx
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """One layer: how to build it and an example input shape/dtype."""
+
+    name: str
+    build: Callable  # (graph, rng) -> (module, call) where call(params, x) -> (y, params)
+    shape: tuple
+    dtype: object = jnp.float32
+
+
+def _linear(g, rng):
+    m = bx.Linear(g / "m", 5, rng)
+    return m, m
+
+
+def _mlp(g, rng):
+    m = bx.MLP(g / "m", (7, 3), rng)
+    return m, m
+
+
+def _sequential(g, rng):
+    m = bx.Sequential(
+        g / "m", [bx.Linear(g / "a", 4, rng), jax.nn.relu, bx.Dropout(g / "d", 0.5, rng)]
+    )
+    return m, lambda p, x: m(p, x, is_training=True)
+
+
+def _dropout(g, rng):
+    m = bx.Dropout(g / "m", 0.3, rng)
+    return m, m
+
+
+def _lstm(g, rng, is_static=False):
+    m = bx.LSTM(g / "m", 6, rng, is_static=is_static)
+    return m, lambda p, x: m.apply(p, x)[0][0], m
+
+
+DESCRIPTORS = [
+    Descriptor("Linear", _linear, (4, 3)),
+    Descriptor("MLP", _mlp, (4, 3)),
+    Descriptor("Sequential", _sequential, (4, 3)),
+    Descriptor("Dropout", _dropout, (4, 3)),
+    Descriptor("LSTM", lambda g, r: _lstm(g, r)[:2], (2, 5, 3)),
+]
+
+
+def _call_fn(call):
+    def f(p, x):
+        out = call(p, x)
+        return out if isinstance(out, tuple) and isinstance(out[-1], bx.Params) else (out, p)
+
+    return f
+
+
+def _setup(desc, dtype=None):
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    _, call = desc.build(g, rng)
+    x = jax.random.normal(jax.random.key(0), desc.shape, dtype or desc.dtype)
+    params = rng.seed(bx.Params(), seed=0)
+    if desc.name == "LSTM":
+        lstm = g.children["m"].module
+        (_, _), params = lstm.apply(params, x)
+        return lstm, (lambda p, x: lstm.apply(p, x)), params.locked(), x
+    _, params = call(params, x)
+    return None, call, params.locked(), x
+
+
+@pytest.mark.parametrize("desc", DESCRIPTORS, ids=lambda d: d.name)
+def test_jit_matches_eager_and_params_keep_their_tree(desc):
+    _, call, params, x = _setup(desc)
+    y_eager, p_eager = call(params, x)
+    y_jit, p_jit = jax.jit(call)(params, x)
+    chex.assert_trees_all_close(y_jit, y_eager, rtol=1e-5, atol=1e-6)
+    for p in (p_eager, p_jit):
+        assert jax.tree.structure(p) == jax.tree.structure(params)
+        chex.assert_trees_all_equal_shapes_and_dtypes(p, params)
+
+
+@pytest.mark.parametrize("desc", DESCRIPTORS, ids=lambda d: d.name)
+def test_no_retrace_over_two_steps(desc):
+    _, call, params, x = _setup(desc)
+    chex.clear_trace_counter()  # the counter is keyed by code location, shared by params
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(params, x):
+        return call(params, x)
+
+    _, params = step(params, x)
+    _, params = step(params, x)
+
+
+@pytest.mark.parametrize("desc", DESCRIPTORS, ids=lambda d: d.name)
+def test_eval_shape_grad_and_vmap(desc):
+    _, call, params, x = _setup(desc)
+    out_shape = jax.eval_shape(call, params, x)
+    y, _ = call(params, x)
+    chex.assert_trees_all_equal_shapes_and_dtypes(out_shape[0], y)
+    t, nt = params.split()
+
+    def loss(t):
+        out, _ = call(t.merge(nt), x)
+        out = out[0] if isinstance(out, tuple) else out
+        return jnp.sum(out**2)
+
+    if t.keys():
+        grads = jax.grad(loss)(t)
+        assert jax.tree.structure(grads) == jax.tree.structure(t)
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    # vmap over an extra leading axis of the input with replicated params.
+    xs = jnp.stack([x, 2 * x])
+    ys, _ = jax.vmap(call, in_axes=(None, 0))(params, xs)
+    leaf = jax.tree.leaves(ys)[0]
+    assert leaf.shape[0] == 2
+
+
+@pytest.mark.parametrize(
+    "desc", [d for d in DESCRIPTORS if d.name != "Dropout"], ids=lambda d: d.name
+)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float64], ids=["bf16", "f64"])
+def test_params_cast_to_other_float_widths(desc, dtype):
+    """bf16 / float64 params and inputs run and compute in that dtype."""
+    with jax.enable_x64(dtype == jnp.float64):
+        _, call, params, x = _setup(desc)
+        cast = jax.tree.map(
+            lambda v: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, params
+        )
+        y, new = call(cast, x.astype(dtype))
+        y = y[0] if isinstance(y, tuple) else y
+        assert y.dtype == dtype
+        ref, _ = call(params, x)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        tol = 5e-2 if dtype == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=tol, atol=tol)
+
+
+# ----------------------------------------------------------------------------- scans
+
+
+def _lstm_pair():
+    g = bx.Graph("model")
+    rng = bx.Rng(g / "rng")
+    dyn = bx.LSTM(g / "lstm", 8, rng, is_static=False)
+    g2 = bx.Graph("model")
+    sta = bx.LSTM(g2 / "lstm", 8, bx.Rng(g2 / "rng"), is_static=True)
+    return rng, dyn, sta
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("with_resets", [False, True], ids=["plain", "resets"])
+def test_static_and_dynamic_lstm_agree_on_one_params(use_jit, with_resets):
+    rng, dyn, sta = _lstm_pair()
+    x = jax.random.normal(jax.random.key(2), (3, 9, 4))
+    params = rng.seed(bx.Params(), seed=1)
+    _, params = dyn.apply(params, x)
+    params = params.locked()
+    resets = None
+    if with_resets:
+        resets = jnp.zeros((3, 9), bool).at[0, 4].set(True).at[2, 1].set(True)
+
+    def run(m):
+        f = lambda p, x, r: m.apply(p, x, is_reset=r)  # noqa: E731
+        return (jax.jit(f) if use_jit else f)(params, x, resets)
+
+    (h_s, s_s), _ = run(sta)
+    (h_d, s_d), _ = run(dyn)
+    chex.assert_trees_all_close((h_s, s_s), (h_d, s_d), rtol=1e-6, atol=1e-6)
+    # Init through the static path creates the same parameters.
+    p_static = rng.seed(bx.Params(), seed=1)
+    _, p_static = sta.apply(p_static, x)
+    assert list(p_static.keys()) == list(params.keys())
+    chex.assert_trees_all_equal(p_static.locked(), params)
+
+
+def test_reset_zeroes_only_marked_rows_when_batch_equals_hidden():
+    """B == H: jax-blox 0.1.6 reset hidden *columns* here; blox resets batch rows."""
+    g = bx.Graph("m")
+    rng = bx.Rng(g / "rng")
+    lstm = bx.LSTM(g / "lstm", 3, rng)
+    x = jax.random.normal(jax.random.key(0), (3, 4, 2))
+    params = rng.seed(bx.Params(), seed=0)
+    _, params = lstm.apply(params, x)
+    resets = jnp.zeros((3, 4), bool).at[1, 2].set(True)
+    (h, _), _ = lstm.apply(params, x, is_reset=resets)
+    # Reference: row 1 from step 2 equals a fresh run on x[1:2, 2:].
+    (h_fresh, _), _ = lstm.apply(params, x[1:2, 2:])
+    np.testing.assert_allclose(h[1:2, 2:], h_fresh, rtol=1e-6, atol=1e-6)
+    (h_plain, _), _ = lstm.apply(params, x)
+    np.testing.assert_array_equal(h[jnp.array([0, 2])], h_plain[jnp.array([0, 2])])
+    np.testing.assert_array_equal(h[1, :2], h_plain[1, :2])
+
+
+def test_carried_state_equals_one_long_run():
+    """Truncated BPTT: two chunks with the carried state equal one pass."""
+    g = bx.Graph("m")
+    rng = bx.Rng(g / "rng")
+    lstm = bx.LSTM(g / "lstm", 5, rng)
+    x = jax.random.normal(jax.random.key(3), (2, 10, 3))
+    params = rng.seed(bx.Params(), seed=0)
+    _, params = lstm.apply(params, x)
+    (h_all, s_all), _ = lstm.apply(params, x)
+    (h1, s1), _ = lstm.apply(params, x[:, :6])
+    (h2, s2), _ = lstm.apply(params, x[:, 6:], prev_state=s1)
+    np.testing.assert_allclose(jnp.concatenate([h1, h2], 1), h_all, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(s2, s_all, rtol=1e-6, atol=1e-6)
+
+
+def test_scan_functions_directly_and_rng_threading():
+    """static_scan / dynamic_scan with a step that draws random numbers each step."""
+    g = bx.Graph("m")
+    rng = bx.Rng(g / "rng")
+
+    def step(params, x_t, state, is_reset, is_training):
+        key, params = rng(params)
+        noise = jax.random.normal(key, x_t.shape)
+        state = state + x_t + noise
+        return (state, state), params
+
+    params = rng.seed(bx.Params(), seed=5).locked()
+    x = jnp.ones((2, 6, 3))
+    init = jnp.zeros((2, 3))
+    (out_s, fin_s), p_s = bx.static_scan(step, params, x, init, None, True)
+    (out_d, fin_d), p_d = bx.dynamic_scan(step, params, x, init, None, True)
+    np.testing.assert_allclose(out_s, out_d, rtol=1e-6)
+    assert int(rng.get_counter(p_s)) == int(rng.get_counter(p_d)) == 6
+    # Reference: cumulative sum of x + the keys fold_in(seed, t).
+    noise = [jax.random.normal(jax.random.fold_in(jax.random.key(5), t), (2, 3)) for t in range(6)]
+    np.testing.assert_allclose(out_s, np.cumsum(1.0 + np.stack(noise, 1), axis=1), rtol=1e-5)
+
+
+def test_scan_errors():
+    step = lambda p, x, s, r, t: ((x, s), p)  # noqa: E731
+    params = bx.Params().locked()
+    with pytest.raises(ValueError, match=r"rank >= 2 \(\[B, T, \.\.\.\]"):
+        bx.static_scan(step, params, jnp.ones(3), None)
+    with pytest.raises(ValueError, match="share the time length"):
+        bx.dynamic_scan(step, params, {"a": jnp.ones((2, 3)), "b": jnp.ones((2, 4))}, None)
+    with pytest.raises(ValueError, match=r"is_reset must have shape \[B, T\] = \(2, 3\)"):
+        bx.dynamic_scan(step, params, jnp.ones((2, 3)), None, jnp.zeros((3, 2), bool))
+    with pytest.raises(ValueError, match="no arrays"):
+        bx.static_scan(step, params, {}, None)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_linear_errors_name_path_and_shapes():
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    fc = bx.Linear(g / "fc", 4, rng)
+    params = rng.seed(bx.Params(), seed=0)
+    with pytest.raises(ValueError, match=r"Linear 'net/fc': input must not be scalar"):
+        fc(params, jnp.float32(1.0))
+    _, params = fc(params, jnp.ones((2, 3)))
+    with pytest.raises(
+        ValueError,
+        match=r"Linear 'net/fc' expects inputs of shape \(\.\.\., 3\) \(kernel \(3, 4\)\), "
+        r"got input shape \(2, 5\)",
+    ):
+        fc(params.locked(), jnp.ones((2, 5)))
+    with pytest.raises(ValueError, match="output_size must be a positive int"):
+        bx.Linear(g / "bad", 0, rng)
+    with pytest.raises(ValueError, match="output_sizes must not be empty"):
+        bx.MLP(g / "mlp", (), rng)
+
+
+def test_lstm_errors_name_path_and_shapes():
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    lstm = bx.LSTM(g / "lstm", 4, rng)
+    params = rng.seed(bx.Params(), seed=0)
+    x = jnp.ones((2, 5, 3))
+    _, params = lstm.apply(params, x)
+    with pytest.raises(ValueError, match="requires a valid prev_state"):
+        lstm(params, x[:, 0], None)
+    with pytest.raises(ValueError, match=r"LSTM 'net/lstm': one step takes inputs of shape"):
+        lstm(params, x, lstm.initial_state(params, x)[0])
+    with pytest.raises(
+        ValueError, match=r"LSTM 'net/lstm' expects inputs with 3 features.*\(2, 6\)"
+    ):
+        lstm.apply(params, jnp.ones((2, 5, 6)))
+    with pytest.raises(ValueError, match=r"rank >= 2"):
+        lstm.apply(params, jnp.ones((5,)))
+    with pytest.raises(ValueError, match=r"is_reset must have shape \[B, T\] = \(2, 5\)"):
+        lstm.apply(params, x, is_reset=jnp.zeros((2,), bool))
+    state, _ = lstm.initial_state(params, x[:, 0])
+    with pytest.raises(ValueError, match=r"'net/lstm': is_reset for one step must have shape"):
+        lstm(params, x[:, 0], state, is_reset=jnp.zeros((3,), bool))
+    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
+        bx.LSTM(g / "bad", -1, rng)
+
+
+def test_dropout_behaviour_and_errors():
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    drop = bx.Dropout(g / "drop", 0.25, rng)
+    params = rng.seed(bx.Params(), seed=0)
+    x = jnp.ones((20000,))
+    y, params2 = drop(params, x)
+    kept = np.asarray(y != 0)
+    # Binomial(20000, 0.75): mean 0.75, std 0.003; 6 sigma bound.
+    assert abs(kept.mean() - 0.75) < 0.02
+    np.testing.assert_allclose(np.asarray(y)[kept], 1 / 0.75, rtol=1e-6)
+    assert int(rng.get_counter(params2)) == 1
+    y_eval, params3 = drop(params, x, is_training=False)
+    assert y_eval is x and params3 is params
+    with pytest.raises(ValueError, match=r"Dropout 'net/bad': rate must be in \[0, 1\)"):
+        bx.Dropout(g / "bad", 1.0, rng)
+
+
+def test_sequential_routes_keyword_arguments():
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    seq = bx.Sequential(g / "seq", [bx.Linear(g / "fc", 3, rng), bx.Dropout(g / "d", 0.5, rng)])
+    params = rng.seed(bx.Params(), seed=0)
+    y_eval, p = seq(params, jnp.ones((2, 4)), is_training=False)
+    y_ref, _ = g.children["fc"].module(p, jnp.ones((2, 4)))
+    np.testing.assert_array_equal(y_eval, y_ref)
+    with pytest.raises(TypeError, match="layer 0 \\(int\\) is not callable"):
+        bx.Sequential(g / "bad", [3])
