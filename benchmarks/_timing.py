@@ -1,0 +1,284 @@
+"""Shared timing helpers for the blox benchmarks.
+
+Plain JAX/NumPy only (no blox import), so a peer script running in another
+virtual environment (e.g. one with jax-blox installed) can reuse it.
+
+Method: every round times every contender, in an order rotated by one position
+per round: ``warmup`` untimed calls each, then ``steps`` timed calls each, either
+interleaved one call at a time (A B C A B C ..., the default: bursts of load from
+other processes hit every contender alike) or as one block per contender. Each call
+is timed alone and synchronised with ``block_until_ready`` on the value the
+contender returns. A round summarises a contender by the median and the
+min of its per-call times. Comparisons are *same-round* ratios (contender A's
+per-call time over contender B's in the same round), so slow drifts of a shared,
+noisy machine cancel; the report gives the median over rounds of those ratios.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import jax
+
+__all__ = [
+    "Contender",
+    "Pair",
+    "RoundStats",
+    "compare",
+    "cpu_model",
+    "environment",
+    "flops",
+    "format_table",
+    "per_call_us",
+    "run_rounds",
+    "write_section",
+]
+
+
+@dataclass
+class Contender:
+    """One timed callable.
+
+    ``call()`` performs one step (threading its own state, if any) and returns the
+    value to synchronise on; that value should be O(1) to produce, e.g. the loss, so
+    that waiting for it costs the same for every contender.
+    """
+
+    name: str
+    call: Callable[[], Any]
+
+
+@dataclass
+class RoundStats:
+    """Per-call times (seconds) of one contender in one round."""
+
+    median: float
+    min: float
+
+
+@dataclass
+class Pair:
+    """A comparison ``name`` = ``numerator`` / ``denominator`` with a target ratio."""
+
+    name: str
+    numerator: str
+    denominator: str
+    target: float | None = None
+    # Filled by `compare`.
+    median_ratio: float = float("nan")
+    min_ratio: float = float("nan")
+    round_ratios: list[float] = field(default_factory=list)
+    num_us: float = float("nan")
+    den_us: float = float("nan")
+
+    @property
+    def verdict(self) -> str:
+        if self.target is None:
+            return "info"
+        return "PASS" if self.median_ratio <= self.target else "FAIL"
+
+
+def time_contender(c: Contender, steps: int, warmup: int) -> RoundStats:
+    """Times `steps` calls of `c` (after `warmup` untimed calls)."""
+    for _ in range(warmup):
+        jax.block_until_ready(c.call())
+    times = []
+    perf = time.perf_counter
+    for _ in range(steps):
+        t0 = perf()
+        jax.block_until_ready(c.call())
+        times.append(perf() - t0)
+    return RoundStats(statistics.median(times), min(times))
+
+
+def time_interleaved(order: Sequence[Contender], steps: int, warmup: int) -> dict[str, RoundStats]:
+    """Times `steps` calls of each contender, one call of each in turn (A B C A B C ...)."""
+    for c in order:
+        for _ in range(warmup):
+            jax.block_until_ready(c.call())
+    times: list[list[float]] = [[] for _ in order]
+    perf = time.perf_counter
+    for _ in range(steps):
+        for c, ts in zip(order, times, strict=True):
+            t0 = perf()
+            jax.block_until_ready(c.call())
+            ts.append(perf() - t0)
+    return {
+        c.name: RoundStats(statistics.median(ts), min(ts))
+        for c, ts in zip(order, times, strict=True)
+    }
+
+
+def run_rounds(
+    contenders: Sequence[Contender],
+    rounds: int,
+    steps: int,
+    warmup: int,
+    interleave: bool = True,
+) -> list[dict[str, RoundStats]]:
+    """Times all contenders in each round, rotating their order by one per round.
+
+    With `interleave` (default) a round alternates single calls of the contenders, so
+    a burst of load from other processes hits all of them alike; without it each
+    contender runs its `steps` calls as one block.
+    """
+    out = []
+    n = len(contenders)
+    for r in range(rounds):
+        order = [contenders[(i + r) % n] for i in range(n)]
+        if interleave:
+            out.append(time_interleaved(order, steps, warmup))
+        else:
+            out.append({c.name: time_contender(c, steps, warmup) for c in order})
+    return out
+
+
+def compare(results: list[dict[str, RoundStats]], pairs: Sequence[Pair]) -> list[Pair]:
+    """Fills each pair's ratios from same-round statistics.
+
+    ``median_ratio``: median over rounds of (median per-call time of the numerator /
+    that of the denominator). ``min_ratio``: the same with per-round minima.
+    """
+    for p in pairs:
+        med = [r[p.numerator].median / r[p.denominator].median for r in results]
+        mins = [r[p.numerator].min / r[p.denominator].min for r in results]
+        p.round_ratios = med
+        p.median_ratio = statistics.median(med)
+        p.min_ratio = statistics.median(mins)
+        p.num_us = 1e6 * statistics.median(r[p.numerator].median for r in results)
+        p.den_us = 1e6 * statistics.median(r[p.denominator].median for r in results)
+    return list(pairs)
+
+
+def per_call_us(fn: Callable[[], Any], number: int, repeat: int) -> float:
+    """Min over `repeat` runs of the mean time (microseconds) of `number` calls of fn."""
+    best = float("inf")
+    perf = time.perf_counter
+    for _ in range(repeat):
+        t0 = perf()
+        for _ in range(number):
+            fn()
+        best = min(best, (perf() - t0) / number)
+    return best * 1e6
+
+
+def flops(jitted: Any, *args: Any) -> float:
+    """FLOPs of the optimised HLO, from XLA's cost analysis."""
+    cost = jitted.lower(*args).compile().cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float(cost.get("flops", float("nan"))) if cost else float("nan")
+
+
+# ---------------------------------------------------------------------------
+# Report helpers
+# ---------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment() -> dict[str, str]:
+    """Date, machine and versions, as strings."""
+    devices = jax.devices()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "nproc": str(os.cpu_count()),
+        "cpu": cpu_model(),
+        "backend": f"{jax.default_backend()} ({len(devices)} device(s): {devices[0].device_kind})",
+        "python": platform.python_version(),
+        "jax": _version("jax"),
+        "jaxlib": _version("jaxlib"),
+        "optax": _version("optax"),
+        "numpy": _version("numpy"),
+        "git": _git_rev(),
+    }
+
+
+def _git_rev() -> str:
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
+        return rev + (" (working tree modified)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_section(path: str, name: str, body: str, title: str) -> None:
+    """Writes `body` between ``<!-- bench:NAME:begin/end -->`` markers in `path`.
+
+    The section is replaced if present, else appended; the rest of the file is kept,
+    so each benchmark script owns one section of the same document.
+    """
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}\n"
+    text = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        if not text:
+            text = f"# {title}\n\n"
+        elif not text.endswith("\n\n"):
+            text = text.rstrip("\n") + "\n\n"
+        text += block
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def command_line() -> str:
+    """The command that ran this process, with the interpreter relative to the cwd."""
+    exe = os.path.relpath(sys.executable) if sys.executable else "python"
+    if exe.startswith(".."):
+        exe = sys.executable
+    script = os.path.relpath(sys.argv[0])
+    return " ".join([exe, script, *sys.argv[1:]])
