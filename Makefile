@@ -10,9 +10,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Runtime install (what a user gets from `pip install blox`).
+# Runtime install plus the `train` extra (progress bar, loss-curve PNG) the demo uses.
 $(VENV)/.base: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e ".[train]"
 	touch $@
 
 # Test extras; PyTorch CPU is a test-only numerical reference.
@@ -33,8 +33,13 @@ lint: $(VENV)/.test
 	$(BIN)/ruff check blox tests examples benchmarks
 	$(BIN)/ruff format --check blox tests examples benchmarks
 
+# Each script rewrites its own section of docs/benchmarks.md; a missing script is skipped.
+BENCHES := core_overhead train_step layers_speed cnn_speed
+
 bench: $(VENV)/.test
-	$(BIN)/python benchmarks/core_overhead.py --out docs/benchmarks.md
+	for b in $(BENCHES); do \
+	  if [ -f benchmarks/$$b.py ]; then $(BIN)/python benchmarks/$$b.py --out docs/benchmarks.md || exit 1; fi; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -29,12 +29,7 @@ from blox.core import params_table as params_table
 from blox.core import partition_specs as partition_specs
 from blox.core import static_scan as static_scan
 from blox.core import to_dict as to_dict
-from blox.nn import LSTM as LSTM
-from blox.nn import MLP as MLP
-from blox.nn import Dropout as Dropout
-from blox.nn import Linear as Linear
-from blox.nn import LSTMState as LSTMState
-from blox.nn import Sequential as Sequential
+from blox.nn import *  # noqa: F403  (every layer, as listed in blox.nn.__all__)
 
 try:
     __version__ = _metadata.version("blox")
@@ -42,19 +37,13 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - running from a sour
     __version__ = "0.0.0+unknown"
 
 __all__ = [
-    "Dropout",
     "Graph",
-    "LSTM",
-    "LSTMState",
-    "Linear",
-    "MLP",
     "Module",
     "Param",
     "Params",
     "RecurrenceBase",
     "Rng",
     "SequenceBase",
-    "Sequential",
     "display",
     "dynamic_scan",
     "from_dict",
@@ -63,4 +52,5 @@ __all__ = [
     "partition_specs",
     "static_scan",
     "to_dict",
+    *nn.__all__,
 ]

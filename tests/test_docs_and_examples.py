@@ -18,7 +18,9 @@ PUBLIC_MODULES = {"core": blox.core, "nn": blox.nn}
 @pytest.mark.parametrize("name", sorted(PUBLIC_MODULES))
 def test_every_public_name_has_a_docstring_and_an_api_page(name):
     module = PUBLIC_MODULES[name]
-    page = (ROOT / "docs" / "api" / f"{name}.md").read_text()
+    # The module's API page, plus any `docs/api/<name>-<topic>.md` pages.
+    pages = [ROOT / "docs" / "api" / f"{name}.md", *(ROOT / "docs" / "api").glob(f"{name}-*.md")]
+    page = "\n".join(p.read_text() for p in pages)
     missing_doc = [n for n in module.__all__ if not (getattr(module, n).__doc__ or "").strip()]
     missing_page = [n for n in module.__all__ if f"`{n}`" not in page]
     assert not missing_doc, f"no docstring: {missing_doc}"

@@ -35,9 +35,50 @@ def format_path(path: Path) -> str:
 
 
 class _FrozenDict(tuple):
-    """A dict frozen as a sorted tuple of (key, value) pairs; marks dicts for thawing."""
+    """A dict frozen as a sorted tuple of (key, value) pairs; marks dicts for thawing.
+
+    Equal only to another `_FrozenDict`, so ``{'a': 1}`` and ``(('a', 1),)`` differ.
+    """
 
     __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _FrozenDict and tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash((_FrozenDict, tuple.__hash__(self)))
+
+
+class _Typed:
+    """A frozen metadata scalar that compares equal only to the same type and value.
+
+    Python has ``True == 1 == 1.0``; metadata is static pytree data, so treating those
+    as equal would let ``jax.jit`` reuse a trace made for other metadata.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Hashable):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is _Typed
+            and type(other.value) is type(self.value)
+            and other.value == self.value
+        )
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self.value), self.value))
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 def _freeze(value: Any, where: str) -> Hashable:
@@ -62,7 +103,9 @@ def _freeze(value: Any, where: str) -> Hashable:
             f"{type(value).__name__} at {where}. Store plain data (str, int, float, bool, None, "
             "tuples, dicts of those), not arrays."
         ) from None
-    return value
+    if value is None or type(value) is str:
+        return value
+    return _Typed(value)
 
 
 def _thaw(value: Any) -> Any:
@@ -70,6 +113,8 @@ def _thaw(value: Any) -> Any:
         return {k: _thaw(v) for k, v in value}
     if isinstance(value, tuple):
         return tuple(_thaw(v) for v in value)
+    if type(value) is _Typed:
+        return value.value
     return value
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from blox.core._graph import Graph
 from blox.core._module import Module
-from blox.core._params import Params, _make_info
+from blox.core._params import Params, _make_info, _thaw
 
 __all__ = ["Rng"]
 
@@ -28,8 +28,12 @@ class Rng(Module):
     the counter advanced, so randomness is explicit state like any other parameter.
 
     Parameters created (under this module's path):
-      ``seed``: a typed PRNG key array, shape ``()``.
-      ``counter``: ``uint32`` scalar.
+      ``seed``: the key's raw data (``jax.random.key_data``: ``uint32[2]`` for the
+        default threefry key), metadata ``{'tag': 'rng_seed', 'impl': <PRNG impl>}``.
+        `get_seed` and ``rng(params)`` wrap it back into a typed key. Raw ``uint32``
+        costs less per ``jax.jit`` call than a typed key leaf and saves as a plain
+        array in any checkpoint format.
+      ``counter``: ``uint32`` scalar, metadata ``{'tag': 'rng_counter'}``.
 
     Under ``jax.vmap``/``shard_map`` every lane sees the same seed and counter, so
     every lane draws the same key. For per-lane randomness, fold an index into the
@@ -73,11 +77,9 @@ class Rng(Module):
                 f"Rng '{self.path_str}': at least one of seed= or counter= must be provided."
             )
         if seed is not None:
-            seed = _as_key(seed, self.path_str)
-            if exists:
-                params = params._set(seed_path, seed)
-            else:
-                params = params._set(seed_path, seed, _make_info(False, {"tag": "rng_seed"}, ""))
+            key = _as_key(seed, self.path_str)
+            meta = {"tag": "rng_seed", "impl": str(jax.random.key_impl(key))}
+            params = params._set(seed_path, jax.random.key_data(key), _make_info(False, meta, ""))
         counter_path = self.param_path("counter")
         if counter is not None or counter_path not in params:
             value = jnp.asarray(0 if counter is None else counter, dtype=jnp.uint32)
@@ -94,11 +96,16 @@ class Rng(Module):
         return params
 
     def get_seed(self, params: Params) -> jax.Array:
-        """The stored seed (a typed PRNG key)."""
-        value = params._get_value(self.param_path("seed"))
+        """The stored seed, as a typed PRNG key."""
+        return self._key(params, self.param_path("seed"))
+
+    def _key(self, params: Params, seed_path: tuple[str, ...]) -> jax.Array:
+        value = params._get_value(seed_path)
         if value is None:
             raise KeyError(_UNSEEDED.format(path=self.path_str))
-        return value
+        meta = params._info(seed_path)[1]
+        impl = dict(_thaw(meta)).get("impl")
+        return jax.random.wrap_key_data(value, impl=impl)
 
     def get_counter(self, params: Params) -> jax.Array:
         """The stored counter (``uint32`` scalar)."""
@@ -111,11 +118,10 @@ class Rng(Module):
         """Returns ``(fold_in(seed, counter), params with counter + 1)``."""
         seed_path = self.param_path("seed")
         counter_path = self.param_path("counter")
-        seed = params._get_value(seed_path)
         counter = params._get_value(counter_path)
-        if seed is None or counter is None:
+        if counter is None:
             raise KeyError(_UNSEEDED.format(path=self.path_str))
-        key = jax.random.fold_in(seed, counter)
+        key = jax.random.fold_in(self._key(params, seed_path), counter)
         return key, params._set(counter_path, counter + jnp.uint32(1))
 
 

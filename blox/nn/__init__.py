@@ -7,4 +7,5 @@ from blox.nn._recurrent import LSTM as LSTM
 from blox.nn._recurrent import LSTMState as LSTMState
 from blox.nn._sequential import Sequential as Sequential
 
-__all__ = ["Dropout", "LSTM", "LSTMState", "Linear", "MLP", "Sequential"]
+# One import line per public name; __all__ is every public name imported above.
+__all__ = sorted(n for n in dir() if not n.startswith("_"))

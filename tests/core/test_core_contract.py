@@ -302,6 +302,24 @@ def test_rng_seed_counter_and_keys():
     params = rng.seed(params, counter=0)
     k0b, _ = rng(params)
     np.testing.assert_array_equal(jax.random.key_data(k0b), jax.random.key_data(k0))
+    # Stored as raw key data (cheap to dispatch, saves as a plain array); typed on the way out.
+    stored = params[("net", "rng", "seed")]
+    assert stored.value.dtype == jnp.uint32 and stored.metadata["impl"] == "threefry2x32"
+    assert str(jax.random.key_impl(rng.get_seed(params))) == "threefry2x32"
+    np.testing.assert_array_equal(jax.random.key_data(rng.get_seed(params)), [0, 7])
+
+
+def test_rng_keeps_a_non_default_prng_impl():
+    rng = bx.Rng(bx.Graph("net") / "rng")
+    params = rng.seed(bx.Params(), seed=jax.random.key(3, impl="rbg"))
+    assert params[("net", "rng", "seed")].value.shape == (4,)
+    key, params = rng(params)
+    expected = jax.random.fold_in(jax.random.key(3, impl="rbg"), 0)
+    assert str(jax.random.key_impl(key)) == "rbg"
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(expected))
+    # Reseeding with a default key switches the impl back.
+    params = rng.seed(params, seed=5)
+    assert str(jax.random.key_impl(rng.get_seed(params))) == "threefry2x32"
 
 
 def test_rng_errors():

@@ -20,16 +20,16 @@ def _model():
 
 GOLDEN_TABLE = """\
 Params (locked, 8 arrays)
-path                     shape   dtype     trainable  sharding       bytes
-net/fc/bias              (4,)    float32   yes        -                 16
-net/fc/kernel            (2, 4)  float32   yes        (None, model)     32
-net/mlp/linear_0/bias    (4,)    float32   yes        -                 16
-net/mlp/linear_0/kernel  (3, 4)  float32   yes        -                 48
-net/mlp/linear_1/bias    (2,)    float32   yes        -                  8
-net/mlp/linear_1/kernel  (4, 2)  float32   yes        -                 32
-net/rng/counter          ()      uint32    no         -                  4
-net/rng/seed             ()      key<fry>  no         -                  8
-total: 40 values (38 trainable, 2 other), 164 bytes (164 B)"""
+path                     shape   dtype    trainable  sharding       bytes
+net/fc/bias              (4,)    float32  yes        -                 16
+net/fc/kernel            (2, 4)  float32  yes        (None, model)     32
+net/mlp/linear_0/bias    (4,)    float32  yes        -                 16
+net/mlp/linear_0/kernel  (3, 4)  float32  yes        -                 48
+net/mlp/linear_1/bias    (2,)    float32  yes        -                  8
+net/mlp/linear_1/kernel  (4, 2)  float32  yes        -                 32
+net/rng/counter          ()      uint32   no         -                  4
+net/rng/seed             (2,)    uint32   no         -                  8
+total: 41 values (38 trainable, 3 other), 164 bytes (164 B)"""
 
 GOLDEN_TREE = """\
 net

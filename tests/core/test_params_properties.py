@@ -246,20 +246,28 @@ def test_jit_identity_keeps_everything(model, locked):
     assert snapshot(q) == model_snapshot(model, locked)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="blox bug: _Structure.__eq__ unifies structures whose metadata compare equal "
-    "(True == 1 == 1.0) by overwriting the other's infos, so a comparison mutates b.",
+@pytest.mark.parametrize(
+    "va, vb",
+    [(1, True), (1, 1.0), (0, False), ({"k": 1}, (("k", 1),)), ((1, 2), [1, 2.0])],
 )
-def test_equal_but_different_metadata_is_not_unified():
-    """Comparing two Params' structures (here by jax.tree.map over both) must not change
-    either one. Metadata {'n': True} and {'n': 1} compare equal in Python."""
+def test_equal_but_different_metadata_is_not_unified(va, vb):
+    """Metadata is static data: values Python calls equal across types (True == 1 == 1.0,
+    a dict and its item tuple) give different tree structures, comparing them changes
+    neither side, and jax.jit traces each one separately."""
     a = bx.Params()
-    a[("w",)] = bx.Param(jnp.ones(2), metadata={"n": 1})
+    a[("w",)] = bx.Param(jnp.ones(2), metadata={"n": va})
     b = bx.Params()
-    b[("w",)] = bx.Param(jnp.ones(2), metadata={"n": True})
-    jax.tree.map(lambda x, y: x, a, b)
-    assert b[("w",)].metadata["n"] is True
+    b[("w",)] = bx.Param(jnp.ones(2), metadata={"n": vb})
+    ta, tb = jax.tree.structure(a), jax.tree.structure(b)
+    assert ta != tb and tb != ta
+    with pytest.raises(ValueError):
+        jax.tree.map(lambda x, y: x, a, b)
+    assert b[("w",)].metadata["n"] == (tuple(vb) if isinstance(vb, list) else vb)
+    assert type(b[("w",)].metadata["n"]) is (tuple if isinstance(vb, list) else type(vb))
+    traces = []
+    f = jax.jit(lambda p: (traces.append(1), p)[1])
+    assert f(a)[("w",)].metadata["n"] == va and f(b)[("w",)].metadata == b[("w",)].metadata
+    assert len(traces) == 2
 
 
 # ---------------------------------------------------------------------------
