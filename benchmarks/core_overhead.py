@@ -304,7 +304,7 @@ def render(env, command, started, cfg: Config, out: Outcome, peer: dict | None) 
         "",
         "us/call: median over rounds of the per-round median. Reference: raw JAX on a dict "
         "for (a) and (b), a `dict[str, array]` for (c). *diag* rows locate the gap: the "
-        "blox params also carry the `bx.Rng` state (a typed PRNG-key seed and a uint32 "
+        "blox params also carry the `bx.Rng` state (the seed as uint32 key data and a uint32 "
         'counter) that the raw dict does not; "raw passing the same Rng leaves" threads '
         'those two arrays through the raw step too, "blox without Rng leaves" drops them '
         "from the blox params.",
