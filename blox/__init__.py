@@ -14,6 +14,7 @@ from importlib import metadata as _metadata
 
 from blox import core as core
 from blox import nn as nn
+from blox import train as train
 from blox.core import Graph as Graph
 from blox.core import Module as Module
 from blox.core import Param as Param
@@ -30,6 +31,7 @@ from blox.core import partition_specs as partition_specs
 from blox.core import static_scan as static_scan
 from blox.core import to_dict as to_dict
 from blox.nn import *  # noqa: F403  (every layer, as listed in blox.nn.__all__)
+from blox.train import *  # noqa: F403
 
 try:
     __version__ = _metadata.version("blox")
@@ -53,4 +55,5 @@ __all__ = [
     "static_scan",
     "to_dict",
     *nn.__all__,
+    *train.__all__,
 ]

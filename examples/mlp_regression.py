@@ -1,30 +1,33 @@
 """Train an MLP on a generated regression problem: the blox pattern end to end.
 
-    python examples/mlp_regression.py            # the demo (`make demo`)
+    python examples/mlp_regression.py              # the demo (`make demo`)
     python examples/mlp_regression.py --size tiny  # a few seconds (smoke test)
 
 What it shows: a model defined on a `bx.Graph`, lazy initialization on params holding
-a seeded `bx.Rng`, `params.locked()`, the split/grad/merge train step written by hand
-with Optax Adam, `jax.jit` with buffer donation, and the final parameter table.
+a seeded `bx.Rng`, `params.locked()`, the train step from `bx.make_train_step` (the
+split/grad/merge pattern: gradients on trainable params only, the Rng counter carried as
+non-trainable state) with Optax Adam on a flat-then-cosine schedule, `jax.jit` with
+buffer donation, the `bx.fit` loop (progress bar, evaluation, per-epoch log with compile
+time and throughput), the loss curve saved as a PNG, and the final parameter table.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import blox as bx
 
 SIZES = {
-    # name: (train examples, steps, batch, hidden width)
-    "tiny": (512, 60, 64, 32),
-    "default": (8192, 2000, 256, 128),
+    # name: (train examples, epochs, batch, hidden width)
+    "tiny": (512, 8, 64, 32),
+    "default": (8192, 60, 256, 128),
 }
+DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "mlp_regression.png")
 
 
 def make_data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -62,8 +65,10 @@ def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=DEFAULT_PLOT, help="where to save the loss curve")
     args = parser.parse_args(argv)
-    n, steps, batch, hidden = SIZES[args.size]
+    n, epochs, batch, hidden = SIZES[args.size]
+    steps_per_epoch = n // batch
 
     x_train, y_train = make_data(n, seed=args.seed)
     x_test, y_test = make_data(1024, seed=args.seed + 1)
@@ -74,51 +79,54 @@ def main(argv: list[str] | None = None) -> float:
     _, params = model(params, x_train[:batch], is_training=False)
     params = params.locked()
 
-    tx = optax.adam(optax.cosine_decay_schedule(3e-3, steps))
+    schedule = bx.flat_cosine_schedule(3e-3, epochs * steps_per_epoch, pct_start=0.5)
+    tx = optax.adam(schedule)
     opt_state = tx.init(params.split()[0])  # optimizer state for trainable params only
 
-    def loss_fn(trainable, non_trainable, x, y):
-        preds, new_params = model(trainable.merge(non_trainable), x, is_training=True)
-        _, new_non_trainable = new_params.split()  # the advanced RNG counter
-        return jnp.mean((preds - y) ** 2), new_non_trainable
+    def loss_fn(params, x, y):
+        preds, params = model(params, x, is_training=True)  # advances the Rng counter
+        return bx.mse(preds, y), params
 
-    @jax.jit(donate_argnums=(0, 1))
-    def train_step(params, opt_state, x, y):
-        trainable, non_trainable = params.split()
-        (loss, non_trainable), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            trainable, non_trainable, x, y
-        )
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
-        return trainable.merge(non_trainable), opt_state, loss
+    train_step = jax.jit(bx.make_train_step(loss_fn, tx), donate_argnums=(0, 1))
 
     @jax.jit
     def evaluate(params, x, y):
         preds, _ = model(params, x, is_training=False)
-        return jnp.mean((preds - y) ** 2)
+        return {"loss": bx.mse(preds, y)}
+
+    data_rng = np.random.default_rng(args.seed)
+
+    def epoch_batches(epoch: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """A fresh shuffle per epoch (a list, so the progress bar knows its length)."""
+        order = data_rng.permutation(n)[: steps_per_epoch * batch].reshape(steps_per_epoch, -1)
+        return [(x_train[idx], y_train[idx]) for idx in order]
 
     print(f"blox {bx.__version__} | jax {jax.__version__} | {jax.devices()[0].platform}")
-    print(f"training an MLP on {n} examples for {steps} steps (batch {batch})")
-    data_rng = np.random.default_rng(args.seed)
-    t0 = time.perf_counter()
-    report = max(1, steps // 10)
-    for step in range(1, steps + 1):
-        idx = data_rng.integers(0, n, size=batch)
-        params, opt_state, loss = train_step(params, opt_state, x_train[idx], y_train[idx])
-        if step == 1:
-            loss.block_until_ready()
-            print(
-                f"step {step:5d}  loss {float(loss):.4f}  (compiled in "
-                f"{time.perf_counter() - t0:.2f} s)"
-            )
-            t0 = time.perf_counter()
-        elif step % report == 0 or step == steps:
-            test = float(evaluate(params, x_test, y_test))
-            print(f"step {step:5d}  loss {float(loss):.4f}  test mse {test:.4f}")
-    elapsed = time.perf_counter() - t0
-    print(f"{steps - 1} steps in {elapsed:.2f} s ({(steps - 1) / elapsed:.0f} steps/s)")
-    final = float(evaluate(params, x_test, y_test))
+    print(
+        f"training an MLP on {n} examples: {epochs} epochs x {steps_per_epoch} steps "
+        f"(batch {batch})"
+    )
+    result = bx.fit(
+        train_step,
+        params,
+        opt_state,
+        epoch_batches,
+        epochs=epochs,
+        eval_fn=lambda p: evaluate(p, x_test, y_test),
+        loggers=[bx.StdoutLogger(keys=["train/loss", "eval/loss", "time/steps_per_s"])],
+    )
+    params, history = result.params, result.history
+    first = history.rows[0]
+    steps_per_s = np.median(history["time/steps_per_s"])
+    print(
+        f"compile (first step) {first['time/compile_s']:.2f} s; then {steps_per_s:.0f} "
+        f"steps/s ({steps_per_s * batch:.0f} examples/s); stopped: {result.stopped}"
+    )
+    final = float(evaluate(params, x_test, y_test)["loss"])
     print(f"final test mse {final:.4f} (the target's variance is {float(np.var(y_test)):.4f})")
+    if args.plot:
+        bx.plot_history(history, ["train/loss", "eval/loss"], path=args.plot, logy=True)
+        print(f"loss curve saved to {os.path.relpath(args.plot)}")
     print()
     bx.display(graph, params)
     return final

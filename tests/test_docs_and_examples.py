@@ -10,9 +10,10 @@ import pytest
 import blox
 import blox.core
 import blox.nn
+import blox.train
 
 ROOT = Path(__file__).resolve().parent.parent
-PUBLIC_MODULES = {"core": blox.core, "nn": blox.nn}
+PUBLIC_MODULES = {"core": blox.core, "nn": blox.nn, "train": blox.train}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC_MODULES))
@@ -30,7 +31,11 @@ def test_every_public_name_has_a_docstring_and_an_api_page(name):
 def test_top_level_reexports_are_the_same_objects():
     for name in blox.__all__:
         obj = getattr(blox, name)
-        origin = getattr(blox.core, name, None) or getattr(blox.nn, name, None)
+        origin = (
+            getattr(blox.core, name, None)
+            or getattr(blox.nn, name, None)
+            or getattr(blox.train, name, None)
+        )
         assert obj is origin, name
 
 
