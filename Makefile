@@ -27,14 +27,14 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.test
 	$(BIN)/ruff check blox tests examples benchmarks
-	$(DEVICES) $(BIN)/python -m pytest -q -p no:cacheprovider
+	$(DEVICES) $(BIN)/python -m pytest -q -p no:cacheprovider -n 2
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check blox tests examples benchmarks
 	$(BIN)/ruff format --check blox tests examples benchmarks
 
 # Each script rewrites its own section of docs/benchmarks.md; a missing script is skipped.
-BENCHES := core_overhead train_step layers_speed cnn_speed
+BENCHES := core_overhead train_step layers_speed transformer_speed cnn_speed
 
 bench: $(VENV)/.test
 	for b in $(BENCHES); do \

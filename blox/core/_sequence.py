@@ -1,10 +1,16 @@
 """Scans over time and the base classes of recurrent modules.
 
 Conventions: sequences are batch-major pytrees whose leaves are ``[B, T, ...]``
-(time is axis 1); reset flags are ``[B, T]`` booleans. A *step function* has the
-signature of a recurrent module's ``__call__``::
+(time is axis 1); reset flags are ``[B, T]`` booleans; sequence lengths are ``[B]``
+integers in ``[0, T]``. A *step function* has the signature of a recurrent module's
+``__call__``::
 
     step_fn(params, inputs_t, state, is_reset_t, is_training) -> ((outputs_t, state), params)
+
+With sequence lengths, the scans mask every step after the step function: for row ``b``
+and step ``t >= seq_lengths[b]`` the state keeps its previous value (so the final state
+is the state after the row's last valid step) and every output leaf is zero. State and
+output leaves must therefore be batch-major (``[B, ...]``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from blox.core._graph import Graph
 from blox.core._module import Module
@@ -69,6 +76,67 @@ def _batch_size(inputs: Any) -> int:
     return jnp.shape(jax.tree.leaves(inputs)[0])[0]
 
 
+def _check_lengths(seq_lengths: Any, batch: int, steps: int, where: str) -> Any:
+    """``[B]`` integer lengths -> the ``[B, T]`` boolean mask of valid steps (or None).
+
+    Values are checked when they are concrete (NumPy, Python, or a ``jax.Array`` outside
+    ``jit``); a traced length cannot be inspected, see `RecurrenceBase.apply`.
+    """
+    if seq_lengths is None:
+        return None
+    if not isinstance(seq_lengths, jax.Array):
+        seq_lengths = np.asarray(seq_lengths)
+    shape = tuple(seq_lengths.shape)
+    if shape != (batch,):
+        raise ValueError(
+            f"{where}: seq_lengths must have shape [B] = ({batch},) (one length per "
+            f"sequence), got {shape}; the inputs are [B, T] = ({batch}, {steps})."
+        )
+    if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
+        raise TypeError(
+            f"{where}: seq_lengths must be integers, got dtype {seq_lengths.dtype}. "
+            "Cast them, e.g. seq_lengths.astype(jnp.int32)."
+        )
+    try:
+        concrete = np.asarray(seq_lengths)
+    except jax.errors.TracerArrayConversionError:
+        concrete = None
+    if concrete is not None:
+        bad = np.flatnonzero((concrete < 0) | (concrete > steps))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"{where}: seq_lengths must be in [0, T] = [0, {steps}], got "
+                f"seq_lengths[{b}] = {int(concrete[b])} (seq_lengths shape {shape}, inputs "
+                f"[B, T] = ({batch}, {steps})). Pad the inputs along time to the longest "
+                "sequence, or fix the lengths."
+            )
+    lengths = jnp.asarray(seq_lengths).astype(jnp.int32)
+    return jnp.arange(steps, dtype=jnp.int32)[None, :] < lengths[:, None]
+
+
+def _rows(mask: jax.Array, like: jax.Array) -> jax.Array:
+    return mask.reshape(mask.shape + (1,) * (jnp.ndim(like) - 1))
+
+
+def _masked(step_fn: StepFn) -> Callable[..., tuple[tuple[Any, Any], Params]]:
+    """`step_fn` plus a ``[B]`` validity mask: invalid rows keep their state, output 0."""
+
+    def step(params, x_t, state, r_t, is_training, v_t):
+        (out, new_state), params = step_fn(params, x_t, state, r_t, is_training)
+        if v_t is None:
+            return (out, new_state), params
+        new_state = jax.tree.map(
+            lambda n, o: jnp.where(_rows(v_t, n), n, jnp.asarray(o).astype(n.dtype)),
+            new_state,
+            state,
+        )
+        out = jax.tree.map(lambda o: jnp.where(_rows(v_t, o), o, jnp.zeros_like(o)), out)
+        return (out, new_state), params
+
+    return step
+
+
 def static_scan(
     step_fn: StepFn,
     params: Params,
@@ -76,14 +144,19 @@ def static_scan(
     prev_state: Any,
     is_reset: Any = None,
     is_training: bool = True,
+    *,
+    seq_lengths: Any = None,
 ) -> tuple[tuple[Any, Any], Params]:
     """Runs `step_fn` over time with a Python loop (debuggable; unrolled under jit).
 
     Equivalent to::
 
         for t in range(T):
-            (out[:, t], state), params = step_fn(params, inputs[:, t], state, is_reset[:, t],
-                                                 is_training)
+            (out[:, t], new), params = step_fn(params, inputs[:, t], state, is_reset[:, t],
+                                               is_training)
+            valid = t < seq_lengths                    # [B]; all True without lengths
+            state = where(valid, new, state)           # per row
+            out[:, t] = where(valid, out[:, t], 0)
 
     Args:
       step_fn: see the module docstring.
@@ -92,34 +165,45 @@ def static_scan(
       prev_state: the state before step 0.
       is_reset: ``[B, T]`` booleans or ``None``.
       is_training: passed to every step.
+      seq_lengths: ``[B]`` integers in ``[0, T]`` or ``None``: past its length a row's
+        state is frozen and its outputs are zero (see the module docstring).
 
     Returns:
       ``((outputs, final_state), params)`` with outputs ``[B, T, ...]``.
     """
     steps = _seq_len(inputs, "static_scan")
-    is_reset = _check_reset(is_reset, _batch_size(inputs), steps, "static_scan")
-    state = prev_state
+    batch = _batch_size(inputs)
+    is_reset = _check_reset(is_reset, batch, steps, "static_scan")
+    valid = _check_lengths(seq_lengths, batch, steps, "static_scan")
+    return _static_scan(step_fn, params, inputs, prev_state, is_reset, is_training, valid)
+
+
+def _static_scan(step_fn, params, inputs, state, is_reset, is_training, valid):
+    step = _masked(step_fn)
     outs = []
-    for t in range(steps):
+    for t in range(_seq_len(inputs, "static_scan")):
         x_t = jax.tree.map(lambda x, t=t: x[:, t], inputs)
         r_t = None if is_reset is None else is_reset[:, t]
-        (out, state), params = step_fn(params, x_t, state, r_t, is_training)
+        v_t = None if valid is None else valid[:, t]
+        (out, state), params = step(params, x_t, state, r_t, is_training, v_t)
         outs.append(out)
     outputs = jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *outs)
     return (outputs, state), params
 
 
-def _lax_scan(step_fn, params, inputs, state, is_reset, is_training):
+def _lax_scan(step_fn, params, inputs, state, is_reset, is_training, valid):
+    step = _masked(step_fn)
     xs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), inputs)
     rs = None if is_reset is None else jnp.swapaxes(is_reset, 0, 1)
+    vs = None if valid is None else jnp.swapaxes(valid, 0, 1)
 
-    def body(carry, xr):
+    def body(carry, xrv):
         state, params = carry
-        x_t, r_t = xr
-        (out, state), params = step_fn(params, x_t, state, r_t, is_training)
+        x_t, r_t, v_t = xrv
+        (out, state), params = step(params, x_t, state, r_t, is_training, v_t)
         return (state, params), out
 
-    (state, params), outs = jax.lax.scan(body, (state, params), (xs, rs))
+    (state, params), outs = jax.lax.scan(body, (state, params), (xs, rs, vs))
     return (jax.tree.map(lambda o: jnp.swapaxes(o, 0, 1), outs), state), params
 
 
@@ -130,6 +214,8 @@ def dynamic_scan(
     prev_state: Any,
     is_reset: Any = None,
     is_training: bool = True,
+    *,
+    seq_lengths: Any = None,
 ) -> tuple[tuple[Any, Any], Params]:
     """Runs `step_fn` over time with ``jax.lax.scan`` (fast to compile); same results as
     `static_scan`.
@@ -141,17 +227,29 @@ def dynamic_scan(
     Args and returns: as `static_scan`.
     """
     steps = _seq_len(inputs, "dynamic_scan")
-    is_reset = _check_reset(is_reset, _batch_size(inputs), steps, "dynamic_scan")
+    batch = _batch_size(inputs)
+    is_reset = _check_reset(is_reset, batch, steps, "dynamic_scan")
+    valid = _check_lengths(seq_lengths, batch, steps, "dynamic_scan")
+    return _dynamic_scan(step_fn, params, inputs, prev_state, is_reset, is_training, valid)
+
+
+def _dynamic_scan(step_fn, params, inputs, prev_state, is_reset, is_training, valid):
+    steps = _seq_len(inputs, "dynamic_scan")
     if params.is_locked:
-        return _lax_scan(step_fn, params, inputs, prev_state, is_reset, is_training)
+        return _lax_scan(step_fn, params, inputs, prev_state, is_reset, is_training, valid)
+
+    def part(a, sl):
+        return None if a is None else a[:, sl]
+
     # Initialization: create parameters on step 0, then scan the rest with locked params.
-    (out0, state), params = static_scan(
+    (out0, state), params = _static_scan(
         step_fn,
         params,
         jax.tree.map(lambda x: x[:, :1], inputs),
         prev_state,
-        None if is_reset is None else is_reset[:, :1],
+        part(is_reset, slice(None, 1)),
         is_training,
+        part(valid, slice(None, 1)),
     )
     if steps == 1:
         return (out0, state), params
@@ -160,8 +258,9 @@ def dynamic_scan(
         params.locked(),
         jax.tree.map(lambda x: x[:, 1:], inputs),
         state,
-        None if is_reset is None else is_reset[:, 1:],
+        part(is_reset, slice(1, None)),
         is_training,
+        part(valid, slice(1, None)),
     )
     outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), out0, rest)
     return (outputs, state), locked.unlocked()
@@ -185,6 +284,8 @@ class SequenceBase(Module):
         prev_state: Any = None,
         is_reset: Any = None,
         is_training: bool = True,
+        *,
+        seq_lengths: Any = None,
     ) -> tuple[tuple[Any, Any], Params]:
         raise NotImplementedError(f"{type(self).__name__} must implement apply.")
 
@@ -218,6 +319,8 @@ class RecurrenceBase(SequenceBase):
         prev_state: Any = None,
         is_reset: Any = None,
         is_training: bool = True,
+        *,
+        seq_lengths: Any = None,
     ) -> tuple[tuple[Any, Any], Params]:
         """Runs the module over a sequence.
 
@@ -229,17 +332,26 @@ class RecurrenceBase(SequenceBase):
           is_reset: ``[B, T]`` booleans; where true, the state is reset to the initial
             state *before* that step is processed (row ``b`` only).
           is_training: passed to every step.
+          seq_lengths: ``[B]`` integers in ``[0, T]`` (like PyTorch's packed sequences):
+            for steps ``t >= seq_lengths[b]`` row ``b``'s state is frozen and its
+            outputs are zero, so the final state is the one after each row's last
+            valid step. Lengths outside ``[0, T]`` raise a ``ValueError`` when they are
+            concrete; a length traced under ``jax.jit`` cannot be checked and acts as
+            if clipped to ``[0, T]``.
 
         Returns:
           ``((outputs [B, T, ...], final_state), params)``.
         """
         where = f"{type(self).__name__} '{self.path_str}'"
-        _seq_len(inputs, where)
+        steps = _seq_len(inputs, where)
+        batch = _batch_size(inputs)
+        is_reset = _check_reset(is_reset, batch, steps, where)
+        valid = _check_lengths(seq_lengths, batch, steps, where)
         if prev_state is None:
             x0 = jax.tree.map(lambda x: x[:, 0], inputs)
             prev_state, params = self.initial_state(params, x0)
-        scan = static_scan if self._is_static else dynamic_scan
-        return scan(self, params, inputs, prev_state, is_reset, is_training)
+        scan = _static_scan if self._is_static else _dynamic_scan
+        return scan(self, params, inputs, prev_state, is_reset, is_training, valid)
 
     def maybe_reset_state(
         self, params: Params, prev_state: Any, inputs: Any, is_reset: Any = None

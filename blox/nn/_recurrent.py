@@ -47,8 +47,9 @@ class LSTM(RecurrenceBase):
 
     Calls:
       ``lstm(params, x_t [B, F], state, is_reset=None)`` -> ``((h [B, H], LSTMState),
-      params)``; ``lstm.apply(params, x [B, T, F], prev_state=None, is_reset=None)``
-      -> ``((h [B, T, H], LSTMState), params)``.
+      params)``; ``lstm.apply(params, x [B, T, F], prev_state=None, is_reset=None [B, T],
+      seq_lengths=None [B])`` -> ``((h [B, T, H], LSTMState), params)``: see
+      `RecurrenceBase.apply` for resets and sequence lengths.
 
     >>> import blox as bx, jax.numpy as jnp
     >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')

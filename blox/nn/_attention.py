@@ -1,0 +1,432 @@
+"""`MultiHeadAttention`: self/cross attention, masks, grouped-query heads, KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from blox.core import Graph, Module, Params, Rng
+from blox.nn._linear import Linear
+from blox.nn._position import apply_rotary
+
+__all__ = ["MultiHeadAttention"]
+
+
+_default_kernel_init = jax.nn.initializers.lecun_normal()
+
+_NO_CACHE = (
+    "MultiHeadAttention '{path}': decode=True needs a KV cache in params, and there is "
+    "none. Create it once before decoding:\n"
+    "    params = model.init_cache(params, batch_size, max_length)\n"
+    "    logits, params = model(params, tokens, decode=True)"
+)
+
+_OVERFLOW = (
+    "MultiHeadAttention '{path}': KV cache overflow: the cache holds {length} positions "
+    "(cache_key {shape}), {index} are filled and the input adds {new} (x shape {xshape}). "
+    "Create a larger cache with init_cache(params, batch_size, max_length) (max_length >= "
+    "{need}), or start a new sequence with init_cache."
+)
+
+
+def _large_negative(dtype: Any) -> jax.Array:
+    # The value jax.nn.dot_product_attention uses for masked logits (so both paths agree).
+    m = min(float(jnp.finfo(dtype).max), float(jnp.finfo(jnp.float32).max))
+    return jnp.asarray(-0.7 * m, dtype=dtype)
+
+
+class MultiHeadAttention(Module):
+    """Multi-head dot-product attention (Vaswani et al., 2017), with grouped-query heads
+    (Ainslie et al., 2023), optional rotary positions and an optional KV cache.
+
+    Legend: B batch, T query length, S key length, D ``model_size``, N ``num_heads``,
+    K ``num_kv_heads``, H ``head_dim``, L cache length.
+
+    ::
+
+        q = x @ Wq + bq            (B, T, N, H)
+        k = context @ Wk + bk      (B, S, K, H)      context = x for self-attention
+        v = context @ Wv + bv      (B, S, K, H)
+        a = softmax(q k^T / sqrt(H) + mask) v     query head n uses kv head n // (N/K)
+        y = a @ Wo + bo            (B, T, output_size)
+
+    Args:
+      graph: this module's node.
+      num_heads: N.
+      model_size: D, the feature size of the queries' input ``x``.
+      rng: the `Rng` for initialization and attention dropout.
+      num_kv_heads: K (default N); must divide N. K = 1 is multi-query attention.
+      head_dim: H (default D // N; then N must divide D).
+      output_size: the output feature size (default D).
+      use_bias: biases in the four projections.
+      dropout_rate: dropout on the attention weights, applied only when
+        ``is_training`` (it draws one key from `rng` per call).
+      use_rope: apply rotary position embeddings (`apply_rotary`) to q and k.
+      rope_base: the RoPE base.
+      kernel_init, bias_init: for the projections; default LeCun normal (fan-in) and
+        zeros.
+      dtype: the compute dtype; default the promotion of the input and parameter dtypes.
+      param_dtype: the dtype parameters are created in (float32).
+
+    Parameters: ``<path>/query/kernel`` ``(D, N*H)``, ``<path>/key/kernel``
+    ``(D_ctx, K*H)``, ``<path>/value/kernel`` ``(D_ctx, K*H)``, ``<path>/out/kernel``
+    ``(N*H, output_size)``, and a ``bias`` for each (if ``use_bias``). The columns of
+    a projection are ordered head-major: head ``n`` is columns ``n*H:(n+1)*H``. With
+    a cache (`init_cache`), the non-trainable ``<path>/cache_key`` and
+    ``<path>/cache_value`` ``(B, L, K, H)`` and ``<path>/cache_index`` (int32 scalar).
+
+    Call: ``attn(params, x, context=None, *, mask=None, key_mask=None,
+    is_causal=False, is_training=True, decode=False)`` -> ``(y, params)``:
+
+    - ``x`` ``(B, T, D)``; ``context`` ``(B, S, D_ctx)`` for cross-attention.
+    - ``mask``: boolean, broadcastable to ``(B, N, T, S)``; True = may attend.
+    - ``key_mask``: boolean ``(B, S)``; False marks padding keys (never attended).
+    - ``is_causal``: query t attends to keys ``s <= t``.
+    - ``decode``: incremental self-attention with the KV cache: the T new tokens are
+      at positions ``cache_index + arange(T)``, their keys and values are written
+      into the cache, they attend causally to everything cached so far, and the index
+      advances by T. The work per call is fixed by L (masking, not slicing), so the
+      per-token cost does not grow as the cache fills. ``key_mask``, if given, is
+      ``(B, L)``.
+
+    A query row whose keys are all masked gets a uniform average of the values (the
+    behaviour of ``jax.nn.dot_product_attention``), not NaN.
+
+    Dtype policy: projections compute in the promotion of the input and parameter
+    dtypes (or ``dtype``); the softmax runs in float32 (float64 for float64). The
+    attention itself is ``jax.nn.dot_product_attention`` except with dropout in
+    training or in float64 (whose softmax jax computes in float32), where the same
+    math is written out.
+
+    KV-cache overflow: eagerly (cache index a concrete value) a call that would write
+    past L raises ``ValueError``; under ``jax.jit`` the index is a traced value, so
+    such a call returns NaN outputs instead (never another position's numbers).
+
+    >>> import blox as bx, jax.numpy as jnp
+    >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
+    >>> attn = bx.MultiHeadAttention(g / 'attn', num_heads=2, model_size=8, rng=rng)
+    >>> params = rng.seed(bx.Params(), seed=0)
+    >>> y, params = attn(params, jnp.ones((1, 5, 8)), is_causal=True)
+    >>> y.shape, params[('net', 'attn', 'query', 'kernel')].value.shape
+    ((1, 5, 8), (8, 8))
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        num_heads: int,
+        model_size: int,
+        rng: Rng | None,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        output_size: int | None = None,
+        use_bias: bool = True,
+        dropout_rate: float = 0.0,
+        use_rope: bool = False,
+        rope_base: float = 10000.0,
+        kernel_init: Callable = _default_kernel_init,
+        bias_init: Callable = jax.nn.initializers.zeros,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(graph)
+        where = f"MultiHeadAttention '{self.path_str}'"
+        for name, v in (("num_heads", num_heads), ("model_size", model_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{where}: {name} must be a positive int, got {v!r}.")
+        if head_dim is None:
+            if model_size % num_heads:
+                raise ValueError(
+                    f"{where}: num_heads = {num_heads} does not divide model_size = "
+                    f"{model_size}, so the head size D / N is not an integer. Choose "
+                    f"num_heads dividing {model_size}, or pass head_dim explicitly."
+                )
+            head_dim = model_size // num_heads
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"{where}: num_kv_heads = {num_kv_heads!r} must be a positive int dividing "
+                f"num_heads = {num_heads} (each group of num_heads / num_kv_heads query "
+                f"heads shares one key/value head). Use e.g. num_kv_heads in "
+                f"{[k for k in range(1, num_heads + 1) if num_heads % k == 0]}."
+            )
+        if not 0.0 <= float(dropout_rate) < 1.0:
+            raise ValueError(f"{where}: dropout_rate must be in [0, 1), got {dropout_rate}.")
+        if use_rope and head_dim % 2:
+            raise ValueError(f"{where}: use_rope needs an even head_dim, got {head_dim}.")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.model_size = model_size
+        self.output_size = model_size if output_size is None else output_size
+        self.dropout_rate = float(dropout_rate)
+        self.use_rope = use_rope
+        self.rope_base = float(rope_base)
+        self.rng = rng
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+        def lin(name: str, size: int) -> Linear:
+            return Linear(
+                graph.child(name),
+                size,
+                rng,
+                use_bias=use_bias,
+                kernel_init=kernel_init,
+                bias_init=bias_init,
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
+
+        self.query = lin("query", num_heads * head_dim)
+        self.key = lin("key", num_kv_heads * head_dim)
+        self.value = lin("value", num_kv_heads * head_dim)
+        self.out = lin("out", self.output_size)
+
+    # -- KV cache -----------------------------------------------------------------
+
+    def init_cache(
+        self, params: Params, batch_size: int, max_length: int, *, dtype: Any = None
+    ) -> Params:
+        """Returns params with an empty KV cache for `batch_size` sequences of up to
+        `max_length` tokens (replacing any existing cache; works on locked params).
+
+        Args:
+          params: the current params.
+          batch_size: B.
+          max_length: L.
+          dtype: the cache dtype (default ``param_dtype``).
+        """
+        dtype = self.param_dtype if dtype is None else dtype
+        shape = (int(batch_size), int(max_length), self.num_kv_heads, self.head_dim)
+        values = {
+            "cache_key": jnp.zeros(shape, dtype),
+            "cache_value": jnp.zeros(shape, dtype),
+            "cache_index": jnp.zeros((), jnp.int32),
+        }
+        was_locked = params.is_locked
+        for name, value in values.items():
+            if self.param_path(name) in params:
+                params = self.set_param(params, name, value)
+            else:
+                _, params = self.get_param(
+                    params.unlocked(),
+                    name,
+                    value.shape,
+                    lambda *_, v=value: v,
+                    dtype=value.dtype,
+                    trainable=False,
+                    metadata={"tag": "kv_cache"},
+                )
+                params = params.locked() if was_locked else params
+        return params
+
+    def cache_index(self, params: Params) -> jax.Array:
+        """The number of cached positions (int32 scalar)."""
+        index = params._get_value(self.param_path("cache_index"))
+        if index is None:
+            raise KeyError(_NO_CACHE.format(path=self.path_str))
+        return index
+
+    # -- call ---------------------------------------------------------------------
+
+    def __call__(
+        self,
+        params: Params,
+        x: jax.Array,
+        context: jax.Array | None = None,
+        *,
+        mask: ArrayLike | None = None,
+        key_mask: ArrayLike | None = None,
+        is_causal: bool = False,
+        is_training: bool = True,
+        decode: bool = False,
+    ) -> tuple[jax.Array, Params]:
+        """Attends from ``x`` ``(B, T, D)`` to ``context`` (default ``x``); returns
+        ``((B, T, output_size), params)``."""
+        where = f"MultiHeadAttention '{self.path_str}'"
+        x = jnp.asarray(x)
+        if x.ndim != 3 or x.shape[-1] != self.model_size:
+            raise ValueError(
+                f"{where} expects x of shape (B, T, {self.model_size}) (model_size "
+                f"{self.model_size}), got {tuple(x.shape)}. Fix the input's feature size, "
+                "or jax.vmap over extra leading axes."
+            )
+        b, t = x.shape[:2]
+        if decode and context is not None:
+            raise ValueError(
+                f"{where}: decode=True is for self-attention; got a context of shape "
+                f"{tuple(jnp.shape(context))}. Compute cross-attention without decode."
+            )
+        ctx = x if context is None else jnp.asarray(context)
+        if ctx.ndim != 3 or ctx.shape[0] != b:
+            raise ValueError(
+                f"{where}: context must have shape (B, S, D_ctx) with B = {b} (x shape "
+                f"{tuple(x.shape)}), got {tuple(ctx.shape)}."
+            )
+        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+
+        q, params = self.query(params, x)
+        kk, params = self.key(params, ctx)
+        vv, params = self.value(params, ctx)
+        q = q.reshape(b, t, n, h)
+        kk = kk.reshape(b, ctx.shape[1], k, h)
+        vv = vv.reshape(b, ctx.shape[1], k, h)
+
+        overflow = None
+        if decode:
+            index = self._decode_index(params, x)
+            positions = index + jnp.arange(t, dtype=jnp.int32)
+            if self.use_rope:
+                q = apply_rotary(q, positions, base=self.rope_base)
+                kk = apply_rotary(kk, positions, base=self.rope_base)
+            ck = params._get_value(self.param_path("cache_key"))
+            cv = params._get_value(self.param_path("cache_value"))
+            length = ck.shape[1]
+            start = (jnp.int32(0), index, jnp.int32(0), jnp.int32(0))
+            ck = jax.lax.dynamic_update_slice(ck, kk.astype(ck.dtype), start)
+            cv = jax.lax.dynamic_update_slice(cv, vv.astype(cv.dtype), start)
+            params = self.set_param(params, "cache_key", ck)
+            params = self.set_param(params, "cache_value", cv)
+            params = self.set_param(params, "cache_index", index + jnp.int32(t))
+            overflow = index + jnp.int32(t) > length
+            kk, vv = ck.astype(q.dtype), cv.astype(q.dtype)
+            visible = jnp.arange(length, dtype=jnp.int32)[None, :] <= positions[:, None]
+            full_mask = visible.reshape(1, 1, t, length)
+            causal = False
+        else:
+            if self.use_rope:
+                q = apply_rotary(q, jnp.arange(t, dtype=jnp.int32), base=self.rope_base)
+                kk = apply_rotary(
+                    kk, jnp.arange(ctx.shape[1], dtype=jnp.int32), base=self.rope_base
+                )
+            full_mask = None
+            causal = is_causal
+        s = kk.shape[1]
+        full_mask = self._combine_masks(full_mask, mask, key_mask, (b, n, t, s))
+
+        dropout = is_training and self.dropout_rate > 0.0
+        if dropout or q.dtype == jnp.float64:
+            key = None
+            if dropout:
+                if self.rng is None:
+                    raise ValueError(
+                        f"{where}: dropout_rate > 0 needs an Rng in training mode: pass "
+                        "rng=... to the constructor, or call with is_training=False."
+                    )
+                key, params = self.rng(params)
+            a = self._attend_written_out(q, kk, vv, full_mask, causal, key)
+        else:
+            # jax's own promotion of bf16 logits to f32 is not strict-clean; scope it.
+            with jax.numpy_dtype_promotion("standard"):
+                a = jax.nn.dot_product_attention(q, kk, vv, mask=full_mask, is_causal=causal)
+        y, params = self.out(params, a.reshape(b, t, n * h))
+        if overflow is not None:
+            y = jnp.where(overflow, jnp.asarray(jnp.nan, y.dtype), y)
+        return y, params
+
+    def _decode_index(self, params: Params, x: jax.Array) -> jax.Array:
+        index = params._get_value(self.param_path("cache_index"))
+        ck = params._get_value(self.param_path("cache_key"))
+        if index is None or ck is None:
+            raise KeyError(_NO_CACHE.format(path=self.path_str))
+        b, t = x.shape[:2]
+        length = ck.shape[1]
+        if ck.shape[0] != b:
+            raise ValueError(
+                f"MultiHeadAttention '{self.path_str}': the KV cache was made for batch "
+                f"size {ck.shape[0]} (cache_key {tuple(ck.shape)}), got x of shape "
+                f"{tuple(x.shape)}. Call init_cache(params, {b}, max_length)."
+            )
+        concrete = None if isinstance(index, jax.core.Tracer) else int(index)
+        if t > length or (concrete is not None and concrete + t > length):
+            raise ValueError(
+                _OVERFLOW.format(
+                    path=self.path_str,
+                    length=length,
+                    shape=tuple(ck.shape),
+                    index="?" if concrete is None else concrete,
+                    new=t,
+                    xshape=tuple(x.shape),
+                    need=(concrete or 0) + t,
+                )
+            )
+        return index
+
+    def _combine_masks(
+        self,
+        base: jax.Array | None,
+        mask: ArrayLike | None,
+        key_mask: ArrayLike | None,
+        full: tuple[int, int, int, int],
+    ) -> jax.Array | None:
+        where = f"MultiHeadAttention '{self.path_str}'"
+        b, n, t, s = full
+        out = base
+        if mask is not None:
+            mask = jnp.asarray(mask)
+            if mask.dtype != jnp.bool_:
+                raise TypeError(
+                    f"{where}: mask must be boolean (True = may attend), got dtype "
+                    f"{mask.dtype}. Use mask.astype(bool), or mask > 0."
+                )
+            try:
+                ok = mask.ndim <= 4 and np.broadcast_shapes(mask.shape, full) == full
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"{where}: mask of shape {tuple(mask.shape)} does not broadcast to "
+                    f"(B, N, T, S) = {full}. Give it shape (T, S), (B, 1, T, S) or (B, N, "
+                    "T, S); for padding use key_mask of shape (B, S)."
+                )
+            mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+            out = mask if out is None else jnp.logical_and(out, mask)
+        if key_mask is not None:
+            key_mask = jnp.asarray(key_mask)
+            if key_mask.shape != (b, s) or key_mask.dtype != jnp.bool_:
+                raise ValueError(
+                    f"{where}: key_mask must be a boolean array of shape (B, S) = {(b, s)} "
+                    f"(False = padding), got {key_mask.dtype} {tuple(key_mask.shape)}."
+                )
+            km = key_mask.reshape(b, 1, 1, s)
+            out = km if out is None else jnp.logical_and(out, km)
+        return out
+
+    def _attend_written_out(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        mask: jax.Array | None,
+        causal: bool,
+        key: jax.Array | None,
+    ) -> jax.Array:
+        """The math of ``jax.nn.dot_product_attention``, plus dropout on the weights."""
+        b, t, n, h = q.shape
+        s, kh = k.shape[1], k.shape[2]
+        g = n // kh
+        sd = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+        qg = q.reshape(b, t, kh, g, h)
+        logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=sd)
+        logits = logits * jnp.asarray(1.0 / np.sqrt(h), sd)
+        if causal:
+            tri = jnp.tril(jnp.ones((t, s), dtype=bool)).reshape(1, 1, t, s)
+            mask = tri if mask is None else jnp.logical_and(mask, tri)
+        if mask is not None:
+            mask = jnp.broadcast_to(mask, (b, n, t, s)).reshape(b, kh, g, t, s)
+            logits = jnp.where(mask, logits, _large_negative(sd))
+        probs = jax.nn.softmax(logits, axis=-1)
+        if key is not None:
+            keep = jax.random.bernoulli(key, 1.0 - self.dropout_rate, probs.shape)
+            scale = jnp.asarray(1.0 / (1.0 - self.dropout_rate), sd)
+            probs = jnp.where(keep, probs * scale, jnp.zeros((), sd))
+        out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
+        return out.reshape(b, t, n, h)

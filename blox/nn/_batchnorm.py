@@ -1,0 +1,383 @@
+"""Normalization over batches and groups of channels: `BatchNorm` and `GroupNorm`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blox.core import Graph, Module, Params, Rng
+from blox.nn._linear import compute_dtype
+
+__all__ = ["BatchNorm", "GroupNorm"]
+
+_ones = jax.nn.initializers.ones
+_zeros = jax.nn.initializers.zeros
+
+_UNBOUND_AXIS = (
+    "{kind} '{path}': axis_name={axis!r} is not bound here, so the batch statistics cannot "
+    "be averaged over it. Call the model inside a transform that names that axis, e.g.\n"
+    "    jax.shard_map(step, mesh=mesh, in_specs=..., out_specs=...)  # mesh axis {axis!r}\n"
+    "    jax.vmap(step, axis_name={axis!r})\n"
+    "or build the layer with axis_name=None for single-device statistics."
+)
+
+
+def _channel_axis(kind: str, path: str, x: jax.Array, channels_first: bool) -> int:
+    """The channel axis of `x` (rank >= 2), or a `ValueError` naming the layer."""
+    if x.ndim < 2:
+        layout = "(B, C, ...)" if channels_first else "(B, ..., C)"
+        raise ValueError(
+            f"{kind} '{path}': input of shape {tuple(x.shape)} has rank {x.ndim}; expected "
+            f"rank >= 2 laid out as {layout}. Add a batch axis, e.g. x[None]."
+        )
+    return 1 if channels_first else x.ndim - 1
+
+
+def _bcast_shape(ndim: int, axis: int, size: int) -> tuple[int, ...]:
+    shape = [1] * ndim
+    shape[axis] = size
+    return tuple(shape)
+
+
+class BatchNorm(Module):
+    """Batch normalization with running statistics kept as non-trainable parameters.
+
+    In training mode (``is_training=True``) the input is normalized with the mean and
+    the biased variance of the batch, per channel, over every axis but the channel axis
+    (as ``torch.nn.BatchNorm{1,2,3}d`` does), and the running statistics are updated:
+
+        running_mean = momentum * running_mean + (1 - momentum) * mean
+        running_var  = momentum * running_var  + (1 - momentum) * var * n / (n - 1)
+
+    ``momentum`` keeps that fraction of the old value (jax-blox / Flax meaning: PyTorch's
+    ``momentum=0.1`` is ``momentum=0.9`` here). The running variance takes the
+    *unbiased* batch variance (``n`` = number of values per channel), as PyTorch does, so
+    ported PyTorch models keep their statistics (jax-blox 0.1.6 stored the biased one). In
+    eval mode (``is_training=False``) the running statistics normalize and nothing changes.
+
+    Cross-device statistics: with ``axis_name`` set and the model run under
+    ``jax.shard_map`` (or ``jax.vmap(..., axis_name=...)``), mean and variance are averaged
+    over that axis (two ``pmean``: the mean first, then the centred second moment), so
+    each device normalizes with the statistics of the full batch and stores the same
+    running statistics as a single device would on that batch. Every device must hold
+    the same number of examples. ``axis_index_groups`` (a partition of the axis into
+    equal-size groups) averages within each group; it is computed with an
+    ``all_gather`` of the per-device ``(C,)`` statistics, so it also works under
+    ``shard_map`` and ``vmap`` (whose ``pmean`` lacks groups). Eval mode uses no
+    collective.
+
+    Shapes: ``(B, ..., C)`` (channels last, default) or ``(B, C, ...)`` with
+    ``channels_first=True`` -> the same shape. Rank >= 2.
+
+    Args:
+      graph: this module's node.
+      momentum: fraction of the running statistics kept at each training step.
+      epsilon: added to the variance before the square root.
+      use_scale: learn a per-channel ``scale`` (PyTorch ``weight``).
+      use_bias: learn a per-channel ``bias``.
+      scale_init: initializer of ``scale`` (default ones).
+      bias_init: initializer of ``bias`` (default zeros).
+      axis_name: a named axis (or tuple of names) to average statistics over, or None.
+      axis_index_groups: groups of axis indices to average within, or None (all).
+      rng: an `Rng` for random initializers (not needed for the defaults).
+      channels_first: inputs are ``(B, C, ...)`` (PyTorch layout) instead of
+        ``(B, ..., C)``.
+      dtype: the compute dtype; default: the promotion of the input dtype and the
+        stored parameter dtype (float32 params with bf16 inputs compute in float32).
+        The output has the compute dtype; running statistics keep their stored dtype.
+      param_dtype: the dtype parameters are created in (default float32).
+
+    Parameters (``C`` channels):
+      ``<path>/scale`` ``(C,)`` trainable (if ``use_scale``),
+      ``<path>/bias`` ``(C,)`` trainable (if ``use_bias``),
+      ``<path>/running_mean`` ``(C,)`` zeros, non-trainable,
+      ``<path>/running_var`` ``(C,)`` ones, non-trainable.
+
+    Raises ``ValueError`` on rank < 2, on a training batch with one value per channel
+    (the unbiased variance is undefined), and on an ``axis_name`` that is not bound.
+
+    >>> import blox as bx, jax.numpy as jnp
+    >>> g = bx.Graph('net')
+    >>> bn = bx.BatchNorm(g / 'bn')
+    >>> x = jnp.arange(8.0).reshape(4, 2)
+    >>> y, params = bn(bx.Params(), x)
+    >>> [round(float(v), 3) for v in y[:, 0]]
+    [-1.342, -0.447, 0.447, 1.342]
+    >>> params[('net', 'bn', 'running_mean')].value      # 0.9 * 0 + 0.1 * [3, 4]
+    Array([0.3, 0.4], dtype=float32)
+    >>> y_eval, _ = bn(params, x, is_training=False)      # uses the running statistics
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        momentum: float = 0.9,
+        epsilon: float = 1e-5,
+        use_scale: bool = True,
+        use_bias: bool = True,
+        scale_init: Callable = _ones,
+        bias_init: Callable = _zeros,
+        axis_name: Hashable | tuple[Hashable, ...] | None = None,
+        axis_index_groups: Sequence[Sequence[int]] | None = None,
+        rng: Rng | None = None,
+        *,
+        channels_first: bool = False,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(graph)
+        if not 0.0 <= float(momentum) <= 1.0:
+            raise ValueError(
+                f"BatchNorm '{self.path_str}': momentum must be in [0, 1], got {momentum}. "
+                "It is the fraction of the running statistics kept per step (PyTorch's "
+                "momentum=0.1 is momentum=0.9 here)."
+            )
+        if not float(epsilon) > 0.0:
+            raise ValueError(f"BatchNorm '{self.path_str}': epsilon must be > 0, got {epsilon}.")
+        if axis_index_groups is not None and axis_name is None:
+            raise ValueError(
+                f"BatchNorm '{self.path_str}': axis_index_groups needs an axis_name; pass "
+                "axis_name='<mesh axis>' too, or drop axis_index_groups."
+            )
+        self.momentum = float(momentum)
+        self.epsilon = float(epsilon)
+        self.use_scale = use_scale
+        self.use_bias = use_bias
+        self.scale_init = scale_init
+        self.bias_init = bias_init
+        self.axis_name = axis_name
+        self.axis_index_groups = (
+            None
+            if axis_index_groups is None
+            else tuple(tuple(int(i) for i in grp) for grp in axis_index_groups)
+        )
+        self.rng = rng
+        self.channels_first = channels_first
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+    # -- statistics over devices ---------------------------------------------------
+
+    def _axis_size(self) -> int:
+        names = self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
+        size = 1
+        for name in names:
+            try:
+                size *= int(jax.lax.axis_size(name))
+            except NameError as e:
+                raise ValueError(
+                    _UNBOUND_AXIS.format(kind="BatchNorm", path=self.path_str, axis=name)
+                ) from e
+        return size
+
+    def _group_matrix(self, axis_size: int) -> tuple[np.ndarray, int]:
+        groups = self.axis_index_groups or ()
+        flat = sorted(i for grp in groups for i in grp)
+        sizes = {len(grp) for grp in groups}
+        if flat != list(range(axis_size)) or len(sizes) != 1:
+            raise ValueError(
+                f"BatchNorm '{self.path_str}': axis_index_groups={groups} must split the "
+                f"{axis_size} indices of axis {self.axis_name!r} into groups of equal size, "
+                "each index exactly once, e.g. [[0, 1], [2, 3]] for 4 devices."
+            )
+        weights = np.zeros((axis_size, axis_size))
+        for grp in groups:
+            for i in grp:
+                weights[i, list(grp)] = 1.0 / len(grp)
+        return weights, sizes.pop()
+
+    def _mean_over_devices(self, v: jax.Array, weights: np.ndarray | None) -> jax.Array:
+        if weights is None:
+            return jax.lax.pmean(v, self.axis_name)
+        gathered = jax.lax.all_gather(v, self.axis_name)  # (devices, C)
+        row = jnp.asarray(weights, v.dtype)[jax.lax.axis_index(self.axis_name)]
+        return jnp.dot(row, gathered)
+
+    # -- call --------------------------------------------------------------------------
+
+    def __call__(
+        self, params: Params, x: jax.Array, is_training: bool = True
+    ) -> tuple[jax.Array, Params]:
+        """Normalizes `x`; returns ``(y, params)`` (running statistics updated when
+        training)."""
+        x = jnp.asarray(x)
+        ax = _channel_axis("BatchNorm", self.path_str, x, self.channels_first)
+        c = x.shape[ax]
+        reduce_axes = tuple(i for i in range(x.ndim) if i != ax)
+        bshape = _bcast_shape(x.ndim, ax, c)
+        pd = self.param_dtype
+        scale = bias = None
+        if self.use_scale:
+            scale, params = self.get_param(
+                params, "scale", (c,), self.scale_init, dtype=pd, rng=self.rng
+            )
+        if self.use_bias:
+            bias, params = self.get_param(
+                params, "bias", (c,), self.bias_init, dtype=pd, rng=self.rng
+            )
+        r_mean, params = self.get_param(
+            params, "running_mean", (c,), _zeros, dtype=pd, trainable=False, rng=self.rng
+        )
+        r_var, params = self.get_param(
+            params, "running_var", (c,), _ones, dtype=pd, trainable=False, rng=self.rng
+        )
+        cd = compute_dtype(x, r_mean.dtype, self.dtype)
+        xc = x.astype(cd)
+
+        if is_training:
+            n = int(np.prod([x.shape[i] for i in reduce_axes], dtype=np.int64))
+            weights = None
+            if self.axis_name is not None:
+                size = self._axis_size()
+                if self.axis_index_groups is not None:
+                    weights, size = self._group_matrix(size)
+                n *= size
+            if n < 2:
+                raise ValueError(
+                    f"BatchNorm '{self.path_str}': training needs more than one value per "
+                    f"channel, got input shape {tuple(x.shape)} ({n} value(s) per channel). "
+                    "Use a larger batch, or is_training=False to normalize with the "
+                    "running statistics."
+                )
+            mean = jnp.mean(xc, axis=reduce_axes)
+            if self.axis_name is not None:
+                mean = self._mean_over_devices(mean, weights)
+            centred = xc - mean.reshape(bshape)
+            var = jnp.mean(jnp.square(centred), axis=reduce_axes)
+            if self.axis_name is not None:
+                var = self._mean_over_devices(var, weights)
+            m = self.momentum
+            stats_mean = jax.lax.stop_gradient(mean)
+            stats_var = jax.lax.stop_gradient(var) * (n / (n - 1))
+            new_mean = m * r_mean.astype(cd) + (1.0 - m) * stats_mean
+            new_var = m * r_var.astype(cd) + (1.0 - m) * stats_var
+            params = self.set_param(params, "running_mean", new_mean.astype(r_mean.dtype))
+            params = self.set_param(params, "running_var", new_var.astype(r_var.dtype))
+        else:
+            centred = xc - r_mean.astype(cd).reshape(bshape)
+            var = r_var.astype(cd)
+
+        inv = jax.lax.rsqrt(var + jnp.asarray(self.epsilon, cd))
+        if scale is not None:
+            inv = inv * scale.astype(cd)
+        y = centred * inv.reshape(bshape)
+        if bias is not None:
+            y = y + bias.astype(cd).reshape(bshape)
+        return y, params
+
+
+class GroupNorm(Module):
+    """Group normalization: per example, the channels are split into ``num_groups``
+    groups and each group is normalized over its channels and all spatial positions
+    (mean and biased variance), then a per-channel scale and bias are applied. Matches
+    ``torch.nn.GroupNorm(num_groups, C, eps, affine)``; no running statistics, the same
+    computation in training and evaluation.
+
+    Shapes: ``(B, ..., C)`` (channels last, default) or ``(B, C, ...)`` with
+    ``channels_first=True`` -> the same shape. Axis 0 is the batch; rank >= 2.
+
+    Args:
+      graph: this module's node.
+      num_groups: the number of groups; must divide ``C`` (``C`` groups is instance
+        norm, 1 group normalizes each example over everything, like LayerNorm over all
+        non-batch axes).
+      epsilon: added to the variance before the square root.
+      use_scale: learn a per-channel ``scale`` (PyTorch ``weight``).
+      use_bias: learn a per-channel ``bias``. PyTorch's ``affine=False`` is
+        ``use_scale=False, use_bias=False``.
+      scale_init: initializer of ``scale`` (default ones).
+      bias_init: initializer of ``bias`` (default zeros).
+      rng: an `Rng` for random initializers (not needed for the defaults).
+      channels_first: inputs are ``(B, C, ...)`` instead of ``(B, ..., C)``.
+      dtype: the compute dtype; default: the promotion of the input dtype and the
+        parameter dtype (the input dtype when there are no parameters).
+      param_dtype: the dtype parameters are created in (default float32).
+
+    Parameters: ``<path>/scale`` ``(C,)`` and ``<path>/bias`` ``(C,)``, trainable.
+
+    >>> import blox as bx, jax.numpy as jnp
+    >>> gn = bx.GroupNorm(bx.Graph('net') / 'gn', num_groups=2)
+    >>> y, params = gn(bx.Params(), jnp.ones((3, 8, 8, 4)))
+    >>> y.shape, params[('net', 'gn', 'scale')].value.shape
+    ((3, 8, 8, 4), (4,))
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        num_groups: int,
+        epsilon: float = 1e-5,
+        use_scale: bool = True,
+        use_bias: bool = True,
+        scale_init: Callable = _ones,
+        bias_init: Callable = _zeros,
+        rng: Rng | None = None,
+        *,
+        channels_first: bool = False,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(graph)
+        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+            raise ValueError(
+                f"GroupNorm '{self.path_str}': num_groups must be a positive int, got "
+                f"{num_groups!r}. It must also divide the number of channels."
+            )
+        if not float(epsilon) > 0.0:
+            raise ValueError(f"GroupNorm '{self.path_str}': epsilon must be > 0, got {epsilon}.")
+        self.num_groups = num_groups
+        self.epsilon = float(epsilon)
+        self.use_scale = use_scale
+        self.use_bias = use_bias
+        self.scale_init = scale_init
+        self.bias_init = bias_init
+        self.rng = rng
+        self.channels_first = channels_first
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+    def __call__(self, params: Params, x: jax.Array) -> tuple[jax.Array, Params]:
+        """Normalizes `x`; returns ``(y, params)``."""
+        x = jnp.asarray(x)
+        ax = _channel_axis("GroupNorm", self.path_str, x, self.channels_first)
+        c, g = x.shape[ax], self.num_groups
+        if c % g:
+            divisors = [d for d in range(1, c + 1) if c % d == 0]
+            raise ValueError(
+                f"GroupNorm '{self.path_str}': num_groups={g} does not divide the {c} "
+                f"channels of input shape {tuple(x.shape)} (channel axis {ax}). Use a "
+                f"num_groups that divides {c}: one of {divisors}."
+            )
+        bshape = _bcast_shape(x.ndim, ax, c)
+        pd = self.param_dtype
+        scale = bias = None
+        if self.use_scale:
+            scale, params = self.get_param(
+                params, "scale", (c,), self.scale_init, dtype=pd, rng=self.rng
+            )
+        if self.use_bias:
+            bias, params = self.get_param(
+                params, "bias", (c,), self.bias_init, dtype=pd, rng=self.rng
+            )
+        stored = scale if scale is not None else bias
+        if stored is not None:
+            cd = compute_dtype(x, stored.dtype, self.dtype)
+        else:
+            cd = jnp.dtype(self.dtype) if self.dtype is not None else x.dtype
+        # Split the channel axis into (groups, channels per group) and reduce over every
+        # axis except the batch axis and the group axis.
+        grouped = x.astype(cd).reshape(x.shape[:ax] + (g, c // g) + x.shape[ax + 1 :])
+        reduce_axes = tuple(i for i in range(1, grouped.ndim) if i != ax)
+        mean = jnp.mean(grouped, axis=reduce_axes, keepdims=True)
+        centred = grouped - mean
+        var = jnp.mean(jnp.square(centred), axis=reduce_axes, keepdims=True)
+        y = (centred * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, cd))).reshape(x.shape)
+        if scale is not None:
+            y = y * scale.astype(cd).reshape(bshape)
+        if bias is not None:
+            y = y + bias.astype(cd).reshape(bshape)
+        return y, params

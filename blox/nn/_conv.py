@@ -1,0 +1,704 @@
+"""Convolutions: `Conv` and `ConvTranspose` (1-, 2- and 3-D, or more).
+
+Both take channels-last inputs by default (``(..., W, C)``, ``(..., H, W, C)``,
+``(..., D, H, W, C)``) with any number of leading batch axes, and channels-first inputs
+(``(..., C, H, W)``) with ``channels_first=True``. The kernel layout does not depend on
+the input layout, so one set of parameters gives the same numbers in both layouts.
+
+The padding helpers here are shared with the pooling functions in ``_pool.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from blox.core import Graph, Module, Params, Rng
+from blox.nn._linear import compute_dtype
+
+__all__ = ["Conv", "ConvTranspose", "PaddingLike"]
+
+PaddingLike = str | int | Sequence[int] | Sequence[tuple[int, int]]
+"""``'SAME'``, ``'SAME_LOWER'``, ``'VALID'``, ``'CAUSAL'`` (1-D), an int (the same on
+both sides of every spatial axis), one int per spatial axis, or one ``(low, high)``
+pair per spatial axis."""
+
+_default_kernel_init = jax.nn.initializers.lecun_normal()
+# ConvTranspose kernels are (*k, C_out // groups, C_in): fan-in is over the last axis.
+_default_transpose_kernel_init = jax.nn.initializers.variance_scaling(
+    1.0, "fan_in", "truncated_normal", in_axis=-1, out_axis=-2
+)
+_default_bias_init = jax.nn.initializers.zeros
+
+_SPATIAL = "0123456789"  # spatial letters for lax dimension numbers (any unique chars)
+_PAD_STRINGS = ("SAME", "SAME_LOWER", "VALID", "CAUSAL")
+
+
+# ---------------------------------------------------------------------------
+# Shared helpers (also used by the pooling functions)
+# ---------------------------------------------------------------------------
+
+
+def _tuple(value: Any, n: int, what: str, where: str, fix: str) -> tuple[int, ...]:
+    """`value` as `n` positive ints: an int is repeated, a sequence must have length n."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        out = (value,) * n
+    else:
+        try:
+            out = tuple(value)
+        except TypeError:
+            raise TypeError(
+                f"{where}: {what} must be an int or a sequence of ints, got {value!r}."
+            ) from None
+        if len(out) != n:
+            raise ValueError(
+                f"{where}: {what} has {len(out)} entries {out!r}, but the operation has {n} "
+                f"spatial dimension(s). {fix}"
+            )
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in out):
+        raise ValueError(f"{where}: {what} must be positive ints, got {value!r}.")
+    return out
+
+
+def _normalize_padding(
+    padding: Any, n: int, where: str, allowed: Sequence[str]
+) -> str | tuple[tuple[int, int], ...]:
+    """Checks a padding spec; returns a canonical string or `n` ``(low, high)`` pairs."""
+    fix = (
+        f"Use one of {', '.join(repr(s) for s in allowed)}, an int, one int per spatial "
+        f"axis, or {n} (low, high) pair(s), e.g. padding={[(1, 1)] * n!r}."
+    )
+    if isinstance(padding, str):
+        p = padding.upper()
+        if p not in allowed:
+            extra = ""
+            if p == "CAUSAL":
+                extra = f" 'CAUSAL' padding is only defined for 1-D inputs (this one is {n}-D)."
+            raise ValueError(f"{where}: unknown padding {padding!r}.{extra} {fix}")
+        return p
+    if isinstance(padding, int) and not isinstance(padding, bool):
+        pairs: list[Any] = [(padding, padding)] * n
+    else:
+        try:
+            items = list(padding)
+        except TypeError:
+            raise TypeError(f"{where}: bad padding {padding!r}. {fix}") from None
+        if n == 1 and len(items) == 2 and all(isinstance(v, int) for v in items):
+            items = [tuple(items)]  # 1-D: (low, high)
+        if len(items) != n:
+            raise ValueError(
+                f"{where}: padding {padding!r} has {len(items)} entries for {n} spatial "
+                f"dimension(s). {fix}"
+            )
+        pairs = []
+        for item in items:
+            if isinstance(item, int) and not isinstance(item, bool):
+                pairs.append((item, item))
+                continue
+            try:
+                pair = tuple(item)
+            except TypeError:
+                raise TypeError(f"{where}: bad padding entry {item!r}. {fix}") from None
+            if len(pair) != 2:
+                raise ValueError(
+                    f"{where}: padding entry {item!r} is not a (low, high) pair. {fix}"
+                )
+            pairs.append(pair)
+    for lo, hi in pairs:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)):
+            raise TypeError(f"{where}: padding values must be ints, got {padding!r}. {fix}")
+        if lo < 0 or hi < 0:
+            raise ValueError(
+                f"{where}: padding values must be >= 0, got {padding!r}. To crop, slice the "
+                "input instead."
+            )
+    return tuple((int(lo), int(hi)) for lo, hi in pairs)
+
+
+def _same_pads(size: int, window: int, stride: int, lower: bool) -> tuple[int, int]:
+    """XLA/TensorFlow 'SAME': output ``ceil(size / stride)``; odd extra on the high side
+    (on the low side for 'SAME_LOWER')."""
+    out = -(-size // stride)
+    total = max((out - 1) * stride + window - size, 0)
+    small = total // 2
+    return (total - small, small) if lower else (small, total - small)
+
+
+def _resolve_pads(
+    spec: str | tuple[tuple[int, int], ...],
+    sizes: Sequence[int],
+    windows: Sequence[int],
+    strides: Sequence[int],
+) -> list[tuple[int, int]]:
+    """Concrete ``(low, high)`` pads of a forward convolution / pooling window."""
+    if spec == "VALID":
+        return [(0, 0)] * len(sizes)
+    if spec in ("SAME", "SAME_LOWER"):
+        return [
+            _same_pads(n, w, s, spec == "SAME_LOWER")
+            for n, w, s in zip(sizes, windows, strides, strict=True)
+        ]
+    if spec == "CAUSAL":
+        return [(w - 1, 0) for w in windows]
+    return list(spec)  # explicit pairs
+
+
+def _dilate(size: int, rate: int) -> int:
+    return 0 if size == 0 else (size - 1) * rate + 1
+
+
+def _dimension_numbers(n: int, channels_first: bool, kernel_spec: str) -> tuple[str, str, str]:
+    sp = _SPATIAL[:n]
+    lhs = "NC" + sp if channels_first else "N" + sp + "C"
+    return (lhs, sp + kernel_spec, lhs)
+
+
+def _split_input(
+    x: jax.Array, n: int, channels_first: bool
+) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    """(batch shape, channels, spatial shape) of an input with `n` spatial axes."""
+    batch = tuple(x.shape[: x.ndim - n - 1])
+    if channels_first:
+        return batch, x.shape[-n - 1], tuple(x.shape[-n:])
+    return batch, x.shape[-1], tuple(x.shape[-n - 1 : -1])
+
+
+def _layout(n: int, channels_first: bool) -> str:
+    letters = "DHW"[-n:] if n <= 3 else "S" * n
+    return (
+        ("(..., C, " if channels_first else "(..., ")
+        + ", ".join(letters)
+        + (")" if channels_first else ", C)")
+    )
+
+
+# ---------------------------------------------------------------------------
+# Conv
+# ---------------------------------------------------------------------------
+
+
+class _ConvBase(Module):
+    """Shared configuration and checks of `Conv` and `ConvTranspose`."""
+
+    _kind = "Conv"
+
+    def _configure(
+        self,
+        kernel_size: int | Sequence[int],
+        output_channels: int,
+        rng: Rng | None,
+        strides: int | Sequence[int],
+        padding: PaddingLike,
+        kernel_dilation: int | Sequence[int],
+        feature_group_count: int,
+        use_bias: bool,
+        kernel_init: Callable,
+        bias_init: Callable,
+        kernel_metadata: dict | None,
+        bias_metadata: dict | None,
+        channels_first: bool,
+        dtype: Any | None,
+        param_dtype: Any,
+        allowed_padding: Sequence[str],
+    ) -> None:
+        where = f"{self._kind} '{self.path_str}'"
+        if isinstance(kernel_size, int) and not isinstance(kernel_size, bool):
+            kernel_size = (kernel_size,)
+        try:
+            kernel_size = tuple(kernel_size)
+        except TypeError:
+            raise TypeError(
+                f"{where}: kernel_size must be an int (1-D) or a tuple of ints, e.g. (3, 3) "
+                f"for 2-D, got {kernel_size!r}."
+            ) from None
+        if not kernel_size:
+            raise ValueError(f"{where}: kernel_size must not be empty; e.g. (3, 3) for 2-D.")
+        n = len(kernel_size)
+        self.num_spatial_dims = n
+        self.kernel_size = _tuple(kernel_size, n, "kernel_size", where, "")
+        fix = f"Give one value per spatial dimension or a single int (kernel_size={kernel_size})."
+        self.strides = _tuple(strides, n, "strides", where, fix)
+        self.kernel_dilation = _tuple(kernel_dilation, n, "kernel_dilation", where, fix)
+        if (
+            not isinstance(output_channels, int)
+            or isinstance(output_channels, bool)
+            or output_channels <= 0
+        ):
+            raise ValueError(
+                f"{where}: output_channels must be a positive int, got {output_channels!r}."
+            )
+        if (
+            not isinstance(feature_group_count, int)
+            or isinstance(feature_group_count, bool)
+            or feature_group_count < 1
+        ):
+            raise ValueError(
+                f"{where}: feature_group_count must be a positive int, got {feature_group_count!r}."
+            )
+        if output_channels % feature_group_count:
+            raise ValueError(
+                f"{where}: output_channels={output_channels} is not divisible by "
+                f"feature_group_count={feature_group_count}. Each group produces "
+                "output_channels / feature_group_count channels; choose output_channels as "
+                "a multiple of the group count."
+            )
+        self.padding = _normalize_padding(padding, n, where, allowed_padding)
+        self.output_channels = output_channels
+        self.feature_group_count = feature_group_count
+        self.rng = rng
+        self.use_bias = use_bias
+        self.kernel_init = kernel_init
+        self.bias_init = bias_init
+        self.kernel_metadata = kernel_metadata
+        self.bias_metadata = bias_metadata
+        self.channels_first = bool(channels_first)
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+    @property
+    def _where(self) -> str:
+        return f"{self._kind} '{self.path_str}'"
+
+    def _check_input(self, x: jax.Array) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+        n = self.num_spatial_dims
+        if x.ndim < n + 1:
+            raise ValueError(
+                f"{self._where} is {n}-D (kernel_size={self.kernel_size}) and expects inputs "
+                f"of shape {_layout(n, self.channels_first)} with at least {n + 1} axes, got "
+                f"shape {tuple(x.shape)}. Add the channel axis (e.g. x[..., None] for one "
+                "channel) or use a kernel_size with as many entries as spatial axes."
+            )
+        batch, cin, spatial = _split_input(x, n, self.channels_first)
+        g = self.feature_group_count
+        if cin % g:
+            axis = -self.num_spatial_dims - 1 if self.channels_first else -1
+            raise ValueError(
+                f"{self._where}: the input has {cin} channels (axis {axis}, input shape "
+                f"{tuple(x.shape)}), which is not divisible by feature_group_count={g}. Use "
+                "a group count that divides the input channels"
+                + ("" if self.channels_first else ", or pass channels_first=True for NCHW input")
+                + "."
+            )
+        return batch, cin, spatial
+
+    def _check_kernel(self, params: Params, expected: tuple[int, ...], x: jax.Array) -> None:
+        existing = params._get_value(self.param_path("kernel"))
+        shape = getattr(existing, "shape", None)
+        if shape is not None and tuple(shape) != expected:
+            raise ValueError(
+                f"{self._where}: its kernel has shape {tuple(shape)} in params, but input "
+                f"shape {tuple(x.shape)} needs {expected} (layout "
+                f"{_layout(self.num_spatial_dims, self.channels_first)}). Fix the input's "
+                "channel axis (or the layout: channels_first) or re-initialize the params."
+            )
+
+    def _finish(
+        self,
+        params: Params,
+        y: jax.Array,
+        batch: tuple[int, ...],
+        cd: Any,
+    ) -> tuple[jax.Array, Params]:
+        if self.use_bias:
+            bias, params = self.get_param(
+                params,
+                "bias",
+                (self.output_channels,),
+                self.bias_init,
+                dtype=self.param_dtype,
+                metadata=self.bias_metadata,
+                rng=self.rng,
+            )
+            bias = bias.astype(cd)
+            if self.channels_first:
+                bias = bias.reshape((self.output_channels,) + (1,) * self.num_spatial_dims)
+            y = y + jnp.broadcast_to(bias, y.shape)
+        if len(batch) != 1:
+            y = y.reshape(batch + tuple(y.shape[1:]))
+        return y, params
+
+
+class Conv(_ConvBase):
+    """An N-D convolution (cross-correlation, as in PyTorch and ``lax``) with bias.
+
+    Legend: B batch axes (any number, also none), C_in / C_out channels, ``k`` the kernel
+    size, G ``feature_group_count``; N spatial axes, ``N = len(kernel_size)``.
+
+    Shapes: channels-last (default) ``(*B, *spatial, C_in)`` -> ``(*B, *spatial', C_out)``,
+    e.g. ``(B, H, W, C)`` for 2-D; with ``channels_first=True`` ``(*B, C_in, *spatial)``
+    -> ``(*B, C_out, *spatial')`` (NCHW). Per spatial axis of size ``n``, with
+    ``n' = (n - 1) * input_dilation + 1`` and ``K = (k - 1) * kernel_dilation + 1``, the
+    output size is ``floor((n' + low + high - K) / stride) + 1``.
+
+    Padding: ``'SAME'`` pads ``n'`` so that the output size is ``ceil(n' / stride)``, an
+    odd extra cell going to the high side (``'SAME_LOWER'``: the low side), as XLA and
+    TensorFlow do; ``'VALID'`` pads nothing; ``'CAUSAL'`` (1-D only) pads ``K - 1`` on the
+    low side, so output ``t`` sees inputs ``<= t * stride`` only; an int ``p`` pads ``p``
+    on both sides of every spatial axis (PyTorch's ``padding=p``); one int per axis; or one
+    ``(low, high)`` pair per axis (for 1-D also a bare ``(low, high)``).
+
+    Groups: ``feature_group_count=G`` splits the input and output channels into G
+    groups convolved separately (both must be divisible by G); depthwise is
+    ``G = C_in`` with ``output_channels = m * C_in``.
+
+    Args:
+      graph: this module's node.
+      kernel_size: an int (1-D) or a tuple of ints, one per spatial axis.
+      output_channels: C_out.
+      rng: the `Rng` that provides initialization keys.
+      strides: an int or one per spatial axis.
+      padding: see above (default ``'SAME'``).
+      input_dilation: an int or one per spatial axis (zeros inserted between inputs).
+      kernel_dilation: an int or one per spatial axis (atrous convolution).
+      feature_group_count: G.
+      use_bias: add a bias per output channel.
+      kernel_init: ``init(key, shape, dtype)``; default LeCun normal over the kernel's
+        fan-in ``prod(k) * C_in / G``.
+      bias_init: default zeros.
+      kernel_metadata, bias_metadata: stored with the parameters, e.g. sharding.
+      channels_first: inputs and outputs are ``(*B, C, *spatial)`` (NCHW) instead of
+        ``(*B, *spatial, C)`` (NHWC). The parameters are the same in both layouts.
+      dtype: the compute dtype; default: the promotion of the input and param dtypes
+        (explicit casts, so it runs under strict dtype promotion).
+      param_dtype: the dtype parameters are created in (default float32).
+
+    Parameters: ``<path>/kernel`` ``(*kernel_size, C_in // G, C_out)`` (PyTorch's
+    ``weight (C_out, C_in // G, *k)`` moved to ``weight.permute(2, ..., 1, 0)``) and
+    ``<path>/bias`` ``(C_out,)``.
+
+    >>> import blox as bx, jax.numpy as jnp
+    >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
+    >>> conv = bx.Conv(g / 'conv', (3, 3), 8, rng, strides=2)
+    >>> y, params = conv(rng.seed(bx.Params(), seed=0), jnp.ones((4, 28, 28, 1)))
+    >>> y.shape, params[('net', 'conv', 'kernel')].value.shape
+    ((4, 14, 14, 8), (3, 3, 1, 8))
+    >>> nchw = bx.Conv(g / 'nchw', (3, 3), 8, rng, padding=1, channels_first=True)
+    >>> nchw(params, jnp.ones((4, 1, 28, 28)))[0].shape
+    (4, 8, 28, 28)
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        kernel_size: int | Sequence[int],
+        output_channels: int,
+        rng: Rng | None,
+        strides: int | Sequence[int] = 1,
+        padding: PaddingLike = "SAME",
+        input_dilation: int | Sequence[int] = 1,
+        kernel_dilation: int | Sequence[int] = 1,
+        feature_group_count: int = 1,
+        use_bias: bool = True,
+        kernel_init: Callable = _default_kernel_init,
+        bias_init: Callable = _default_bias_init,
+        kernel_metadata: dict | None = None,
+        bias_metadata: dict | None = None,
+        *,
+        channels_first: bool = False,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(graph)
+        one_d = isinstance(kernel_size, int) or _len(kernel_size) == 1
+        allowed = _PAD_STRINGS if one_d else _PAD_STRINGS[:3]
+        self._configure(
+            kernel_size,
+            output_channels,
+            rng,
+            strides,
+            padding,
+            kernel_dilation,
+            feature_group_count,
+            use_bias,
+            kernel_init,
+            bias_init,
+            kernel_metadata,
+            bias_metadata,
+            channels_first,
+            dtype,
+            param_dtype,
+            allowed,
+        )
+        n = self.num_spatial_dims
+        self.input_dilation = _tuple(
+            input_dilation, n, "input_dilation", self._where, "One value per spatial axis."
+        )
+        self._dn = _dimension_numbers(n, self.channels_first, "IO")
+
+    def output_pads(self, spatial: Sequence[int]) -> list[tuple[int, int]]:
+        """The ``(low, high)`` padding applied to each (input-dilated) spatial axis of
+        an input with spatial shape `spatial`."""
+        sizes = [_dilate(s, d) for s, d in zip(spatial, self.input_dilation, strict=True)]
+        windows = [
+            _dilate(k, d) for k, d in zip(self.kernel_size, self.kernel_dilation, strict=True)
+        ]
+        return _resolve_pads(self.padding, sizes, windows, self.strides)
+
+    def __call__(
+        self, params: Params, x: jax.Array, precision: Any = None
+    ) -> tuple[jax.Array, Params]:
+        """Applies the convolution; returns ``(y, params)`` (shapes in the class doc)."""
+        x = jnp.asarray(x)
+        batch, cin, spatial = self._check_input(x)
+        n, g = self.num_spatial_dims, self.feature_group_count
+        pads = self.output_pads(spatial)
+        for i in range(n):
+            size = _dilate(spatial[i], self.input_dilation[i])
+            window = _dilate(self.kernel_size[i], self.kernel_dilation[i])
+            lo, hi = pads[i]
+            if size + lo + hi < window:
+                raise ValueError(
+                    f"{self._where}: spatial axis {i} of the input has size {spatial[i]} "
+                    f"(input shape {tuple(x.shape)}; with input_dilation and padding "
+                    f"({lo}, {hi}): {size + lo + hi}), smaller than the dilated kernel size "
+                    f"{window} (kernel_size={self.kernel_size}, kernel_dilation="
+                    f"{self.kernel_dilation}), so the output would be empty. Use "
+                    "padding='SAME', a smaller kernel or dilation, or a larger input."
+                )
+        kshape = self.kernel_size + (cin // g, self.output_channels)
+        self._check_kernel(params, kshape, x)
+        kernel, params = self.get_param(
+            params,
+            "kernel",
+            kshape,
+            self.kernel_init,
+            dtype=self.param_dtype,
+            metadata=self.kernel_metadata,
+            rng=self.rng,
+        )
+        cd = compute_dtype(x, kernel.dtype, self.dtype)
+        xb = x if len(batch) == 1 else x.reshape((math.prod(batch),) + x.shape[len(batch) :])
+        y = lax.conv_general_dilated(
+            xb.astype(cd),
+            kernel.astype(cd),
+            window_strides=self.strides,
+            padding=pads,
+            lhs_dilation=self.input_dilation,
+            rhs_dilation=self.kernel_dilation,
+            dimension_numbers=self._dn,
+            feature_group_count=g,
+            precision=precision,
+        )
+        return self._finish(params, y, batch, cd)
+
+
+def _len(value: Any) -> int | None:
+    try:
+        return len(value)
+    except TypeError:
+        return None
+
+
+# ---------------------------------------------------------------------------
+# ConvTranspose
+# ---------------------------------------------------------------------------
+
+
+def _transpose_pads(
+    spec: str | tuple[tuple[int, int], ...],
+    windows: Sequence[int],
+    strides: Sequence[int],
+) -> list[tuple[int, int]]:
+    """Pads of the stride-1 convolution over the stride-dilated input (lax semantics)."""
+    if isinstance(spec, tuple):
+        return list(spec)
+    out = []
+    for k, s in zip(windows, strides, strict=True):
+        if spec == "SAME":  # output n * s
+            total = k + s - 2
+            lo = k - 1 if s > k - 1 else -(-total // 2)
+        elif spec == "VALID":  # output n * s + max(k - s, 0)
+            total = k + s - 2 + max(k - s, 0)
+            lo = k - 1
+        else:  # CAUSAL: output n * s; output t sees inputs j with j * s <= t
+            total = k + s - 2
+            lo = k - 1
+        out.append((lo, total - lo))
+    return out
+
+
+class ConvTranspose(_ConvBase):
+    """An N-D transposed convolution (PyTorch's ``ConvTranspose``, the gradient of `Conv`).
+
+    Legend as in `Conv`. Shapes: channels-last ``(*B, *spatial, C_in)`` ->
+    ``(*B, *spatial', C_out)``; ``channels_first=True``: ``(*B, C_in, *spatial)`` ->
+    ``(*B, C_out, *spatial')``.
+
+    It computes a stride-1 convolution of the spatially flipped kernel over the input
+    with ``stride - 1`` zeros inserted between elements, padded by ``(low, high)`` per
+    axis (``lax.conv_transpose(..., transpose_kernel=True)``). With
+    ``K = (k - 1) * kernel_dilation + 1`` the output size is
+    ``(n - 1) * stride + 1 + low + high - K + 1``:
+
+    * ``'SAME'``: output ``n * stride`` (as ``lax.conv_transpose`` and jax-blox);
+    * ``'VALID'``: output ``n * stride + max(K - stride, 0)`` (idem);
+    * ``'CAUSAL'`` (1-D): ``(K - 1, stride - 1)``, output ``n * stride`` where output
+      ``t`` depends only on inputs ``j`` with ``j * stride <= t``;
+    * explicit ``(low, high)`` pairs (or ints) are those pads themselves.
+
+    ``output_padding`` adds that many cells on the high side of every (or each) axis; it
+    must be smaller than ``max(stride, kernel_dilation)``.
+
+    Porting from PyTorch: ``ConvTranspose2d(C_in, C_out, k, stride=s, padding=p,
+    output_padding=op, dilation=d, groups=G)`` is ``ConvTranspose(graph, (k, k), C_out,
+    rng, strides=s, padding=K - 1 - p, output_padding=op, kernel_dilation=d,
+    feature_group_count=G)`` with ``K = d * (k - 1) + 1``, and ``kernel =
+    weight.permute(2, 3, 1, 0)``.
+
+    Args:
+      graph: this module's node.
+      kernel_size: an int (1-D) or a tuple of ints, one per spatial axis.
+      output_channels: C_out.
+      rng: the `Rng` that provides initialization keys.
+      strides: an int or one per spatial axis (the upsampling factor).
+      padding: ``'SAME'`` (default), ``'VALID'``, ``'CAUSAL'`` (1-D) or explicit pads.
+      kernel_dilation: an int or one per spatial axis.
+      feature_group_count: G; both channel counts must be divisible by it (grouped
+        transposed convolutions work, unlike in jax-blox 0.1.6).
+      use_bias: add a bias per output channel.
+      kernel_init: default: truncated normal with variance ``1 / (prod(k) * C_in)``.
+      bias_init: default zeros.
+      kernel_metadata, bias_metadata: stored with the parameters.
+      output_padding: an int or one per spatial axis (default 0).
+      channels_first: NCHW-style inputs and outputs (same parameters).
+      dtype: the compute dtype (default: promotion of input and param dtypes).
+      param_dtype: the dtype parameters are created in (default float32).
+
+    Parameters: ``<path>/kernel`` ``(*kernel_size, C_out // G, C_in)`` (jax-blox's
+    ``(*k, C_out, C_in)`` for G = 1; PyTorch's ``weight (C_in, C_out // G, *k)``
+    permuted) and ``<path>/bias`` ``(C_out,)``.
+
+    >>> import blox as bx, jax.numpy as jnp
+    >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
+    >>> up = bx.ConvTranspose(g / 'up', (4, 4), 3, rng, strides=2)
+    >>> y, params = up(rng.seed(bx.Params(), seed=0), jnp.ones((2, 7, 7, 16)))
+    >>> y.shape, params[('net', 'up', 'kernel')].value.shape
+    ((2, 14, 14, 3), (4, 4, 3, 16))
+    """
+
+    _kind = "ConvTranspose"
+
+    def __init__(
+        self,
+        graph: Graph,
+        kernel_size: int | Sequence[int],
+        output_channels: int,
+        rng: Rng | None,
+        strides: int | Sequence[int] = 1,
+        padding: PaddingLike = "SAME",
+        kernel_dilation: int | Sequence[int] = 1,
+        feature_group_count: int = 1,
+        use_bias: bool = True,
+        kernel_init: Callable = _default_transpose_kernel_init,
+        bias_init: Callable = _default_bias_init,
+        kernel_metadata: dict | None = None,
+        bias_metadata: dict | None = None,
+        *,
+        output_padding: int | Sequence[int] = 0,
+        channels_first: bool = False,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(graph)
+        one_d = isinstance(kernel_size, int) or _len(kernel_size) == 1
+        allowed = ("SAME", "VALID", "CAUSAL") if one_d else ("SAME", "VALID")
+        self._configure(
+            kernel_size,
+            output_channels,
+            rng,
+            strides,
+            padding,
+            kernel_dilation,
+            feature_group_count,
+            use_bias,
+            kernel_init,
+            bias_init,
+            kernel_metadata,
+            bias_metadata,
+            channels_first,
+            dtype,
+            param_dtype,
+            allowed,
+        )
+        n = self.num_spatial_dims
+        if isinstance(output_padding, int) and not isinstance(output_padding, bool):
+            output_padding = (output_padding,) * n
+        op = tuple(output_padding)
+        if len(op) != n or not all(isinstance(v, int) and v >= 0 for v in op):
+            raise ValueError(
+                f"{self._where}: output_padding must be a non-negative int or {n} of them, "
+                f"got {output_padding!r}."
+            )
+        for i, (v, s, d) in enumerate(zip(op, self.strides, self.kernel_dilation, strict=True)):
+            if v >= max(s, d):
+                raise ValueError(
+                    f"{self._where}: output_padding[{i}]={v} must be smaller than "
+                    f"max(stride, kernel_dilation)={max(s, d)} (strides={self.strides}); "
+                    "larger values add outputs that see no input. Use explicit padding to "
+                    "grow the output further."
+                )
+        self.output_padding = op
+        spec = "OI" if self.feature_group_count == 1 else "IO"
+        self._dn = _dimension_numbers(n, self.channels_first, spec)
+
+    def output_pads(self) -> list[tuple[int, int]]:
+        """The ``(low, high)`` padding of the stride-dilated input on each spatial axis."""
+        windows = [
+            _dilate(k, d) for k, d in zip(self.kernel_size, self.kernel_dilation, strict=True)
+        ]
+        pads = _transpose_pads(self.padding, windows, self.strides)
+        return [(lo, hi + op) for (lo, hi), op in zip(pads, self.output_padding, strict=True)]
+
+    def __call__(
+        self, params: Params, x: jax.Array, precision: Any = None
+    ) -> tuple[jax.Array, Params]:
+        """Applies the transposed convolution; returns ``(y, params)``."""
+        x = jnp.asarray(x)
+        batch, cin, spatial = self._check_input(x)
+        n, g, cout = self.num_spatial_dims, self.feature_group_count, self.output_channels
+        pads = self.output_pads()
+        for i in range(n):
+            size = _dilate(spatial[i], self.strides[i])
+            window = _dilate(self.kernel_size[i], self.kernel_dilation[i])
+            lo, hi = pads[i]
+            if size + lo + hi < window:
+                raise ValueError(
+                    f"{self._where}: spatial axis {i} (input shape {tuple(x.shape)}) with "
+                    f"padding ({lo}, {hi}) gives an empty output (dilated kernel size "
+                    f"{window}). Use larger padding values or a smaller kernel."
+                )
+        kshape = self.kernel_size + (cout // g, cin)
+        self._check_kernel(params, kshape, x)
+        kernel, params = self.get_param(
+            params,
+            "kernel",
+            kshape,
+            self.kernel_init,
+            dtype=self.param_dtype,
+            metadata=self.kernel_metadata,
+            rng=self.rng,
+        )
+        cd = compute_dtype(x, kernel.dtype, self.dtype)
+        rhs = lax.rev(kernel.astype(cd), tuple(range(n)))
+        if g > 1:
+            # (*k, C_out/G, G, C_in/G) -> (*k, C_in/G, G, C_out/G) -> (*k, C_in/G, C_out).
+            rhs = rhs.reshape(self.kernel_size + (cout // g, g, cin // g))
+            rhs = jnp.swapaxes(rhs, n, n + 2).reshape(self.kernel_size + (cin // g, cout))
+        xb = x if len(batch) == 1 else x.reshape((math.prod(batch),) + x.shape[len(batch) :])
+        y = lax.conv_general_dilated(
+            xb.astype(cd),
+            rhs,
+            window_strides=(1,) * n,
+            padding=pads,
+            lhs_dilation=self.strides,
+            rhs_dilation=self.kernel_dilation,
+            dimension_numbers=self._dn,
+            feature_group_count=g,
+            precision=precision,
+        )
+        return self._finish(params, y, batch, cd)

@@ -1,0 +1,349 @@
+"""A pre-norm `TransformerBlock` and a small decoder-only `TransformerLM`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from blox.core import Graph, Module, Params, Rng
+from blox.nn._attention import MultiHeadAttention
+from blox.nn._dropout import Dropout
+from blox.nn._embed import Embed
+from blox.nn._linear import MLP, Linear
+from blox.nn._norm import LayerNorm, RMSNorm
+from blox.nn._position import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+
+__all__ = ["TransformerBlock", "TransformerLM"]
+
+
+_default_embedding_init = jax.nn.initializers.normal(0.02)
+
+
+def _norm(graph: Graph, kind: str, epsilon: float, dtype: Any, param_dtype: Any) -> Module:
+    if kind == "layer":
+        return LayerNorm(graph, epsilon, dtype=dtype, param_dtype=param_dtype)
+    if kind == "rms":
+        return RMSNorm(graph, epsilon, dtype=dtype, param_dtype=param_dtype)
+    raise ValueError(
+        f"'{'/'.join(graph.path)}': norm must be 'layer' (LayerNorm) or 'rms' (RMSNorm), "
+        f"got {kind!r}."
+    )
+
+
+class TransformerBlock(Module):
+    """A pre-norm transformer block (as GPT-2 and PyTorch's
+    ``nn.TransformerEncoderLayer(norm_first=True)``)::
+
+        h = x + dropout(attn(norm1(x)))
+        y = h + dropout(mlp(norm2(h)))        mlp = Linear(F) -> activation -> Linear(D)
+
+    Shapes: ``(B, T, D)`` -> ``(B, T, D)``.
+
+    Args:
+      graph: this module's node.
+      model_size: D.
+      num_heads: N (must divide D).
+      rng: the `Rng` for initialization and dropout.
+      mlp_size: F (default 4 D).
+      num_kv_heads: grouped-query key/value heads (default N).
+      dropout_rate: dropout after the attention and after the MLP (residual branches).
+      attention_dropout_rate: dropout on the attention weights.
+      activation: the MLP activation (default ``jax.nn.gelu``, the tanh approximation
+        used by GPT-2; PyTorch's ``'gelu'`` is the exact one,
+        ``functools.partial(jax.nn.gelu, approximate=False)``).
+      norm: ``'layer'`` (`LayerNorm`) or ``'rms'`` (`RMSNorm`).
+      epsilon: the norms' epsilon (1e-5).
+      use_rope: rotary positions inside the attention.
+      use_bias: biases in the attention projections and the MLP.
+      dtype, param_dtype: passed to every sub-layer.
+
+    Initializers: LeCun normal kernels and zero biases (`Linear`), ones/zeros for the
+    norms.
+
+    Parameters (children): ``norm1``, ``attn`` (`MultiHeadAttention`: ``query``,
+    ``key``, ``value``, ``out``), ``norm2``, ``mlp/linear_0`` ``(D, F)``,
+    ``mlp/linear_1`` ``(F, D)``.
+
+    Call: ``block(params, x, *, mask=None, key_mask=None, is_causal=False,
+    is_training=True, decode=False)``; the keywords go to the attention.
+
+    >>> import blox as bx, jax.numpy as jnp
+    >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
+    >>> block = bx.TransformerBlock(g / 'block', model_size=8, num_heads=2, rng=rng)
+    >>> y, params = block(rng.seed(bx.Params(), seed=0), jnp.ones((1, 4, 8)), is_causal=True)
+    >>> y.shape
+    (1, 4, 8)
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        model_size: int,
+        num_heads: int,
+        rng: Rng | None,
+        *,
+        mlp_size: int | None = None,
+        num_kv_heads: int | None = None,
+        dropout_rate: float = 0.0,
+        attention_dropout_rate: float = 0.0,
+        activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+        norm: str = "layer",
+        epsilon: float = 1e-5,
+        use_rope: bool = False,
+        use_bias: bool = True,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(graph)
+        self.model_size = model_size
+        self.mlp_size = 4 * model_size if mlp_size is None else mlp_size
+        self.activation = activation
+        self.norm1 = _norm(graph.child("norm1"), norm, epsilon, dtype, param_dtype)
+        self.attn = MultiHeadAttention(
+            graph.child("attn"),
+            num_heads,
+            model_size,
+            rng,
+            num_kv_heads=num_kv_heads,
+            dropout_rate=attention_dropout_rate,
+            use_rope=use_rope,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
+        self.norm2 = _norm(graph.child("norm2"), norm, epsilon, dtype, param_dtype)
+        self.mlp = MLP(
+            graph.child("mlp"),
+            (self.mlp_size, model_size),
+            rng,
+            activation=activation,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
+        self.dropout = Dropout(graph.child("dropout"), dropout_rate, rng)
+
+    def __call__(
+        self,
+        params: Params,
+        x: jax.Array,
+        *,
+        mask: ArrayLike | None = None,
+        key_mask: ArrayLike | None = None,
+        is_causal: bool = False,
+        is_training: bool = True,
+        decode: bool = False,
+    ) -> tuple[jax.Array, Params]:
+        """Applies the block to ``x`` ``(B, T, D)``; returns ``((B, T, D), params)``."""
+        h, params = self.norm1(params, x)
+        h, params = self.attn(
+            params,
+            h,
+            mask=mask,
+            key_mask=key_mask,
+            is_causal=is_causal,
+            is_training=is_training,
+            decode=decode,
+        )
+        h, params = self.dropout(params, h, is_training=is_training)
+        x = x + h.astype(x.dtype)
+        h, params = self.norm2(params, x)
+        h, params = self.mlp(params, h)
+        h, params = self.dropout(params, h, is_training=is_training)
+        return x + h.astype(x.dtype), params
+
+
+class TransformerLM(Module):
+    """A decoder-only (causal) transformer language model built from `TransformerBlock`::
+
+        h = embed(tokens) [+ positions]       (B, T, D)
+        h = dropout(h); h = block_i(h) for i < num_layers (causal)
+        logits = final_norm(h) @ embed.embedding.T   (tied; or a `Linear` head)
+
+    Legend: B batch, T tokens, V ``vocab_size``, D ``model_size``, L cache length.
+
+    Args:
+      graph: this module's node.
+      vocab_size: V.
+      model_size: D.
+      num_layers: the number of blocks.
+      num_heads: N.
+      rng: the `Rng` for initialization and dropout.
+      max_length: the largest number of positions (needed for ``position='learned'``).
+      position: ``'rope'`` (rotary, in every attention), ``'learned'``
+        (`LearnedPositionalEmbedding`), ``'sinusoidal'``
+        (`SinusoidalPositionalEncoding`) or ``'none'``.
+      mlp_size, num_kv_heads, dropout_rate, attention_dropout_rate, activation, norm,
+        epsilon, use_bias, dtype, param_dtype: as in `TransformerBlock`.
+      tie_embeddings: output logits with the transposed input embedding
+        (`Embed.attend`) instead of a separate ``head`` `Linear`.
+      embedding_init: for the token `Embed` (default normal, std 0.02 as GPT-2).
+
+    Parameters (children): ``embed/embedding (V, D)``, ``pos/embedding (L, D)`` (learned
+    positions), ``block_<i>/...`` (see `TransformerBlock`), ``final_norm``, and
+    ``head/kernel (D, V)`` + ``head/bias`` if not tied.
+
+    Calls:
+      ``lm(params, tokens (B, T) int, *, key_mask=None, is_training=True,
+      decode=False)`` -> ``(logits (B, T, V), params)``. ``key_mask`` ``(B, T)`` marks
+      padding (False) to ignore. With ``decode=True`` after `init_cache`, the tokens are
+      appended to each block's KV cache (``key_mask``, if given, is then ``(B, L)``
+      over the cache positions); generating is ``logits, params = lm(params,
+      token[:, None], decode=True, is_training=False)`` one token at a time.
+
+    >>> import blox as bx, jax.numpy as jnp
+    >>> g = bx.Graph('lm'); rng = bx.Rng(g / 'rng')
+    >>> lm = bx.TransformerLM(g / 'model', vocab_size=11, model_size=8, num_layers=1,
+    ...                       num_heads=2, rng=rng)
+    >>> tokens = jnp.array([[1, 2, 3]])
+    >>> logits, params = lm(rng.seed(bx.Params(), seed=0), tokens, is_training=False)
+    >>> params = lm.init_cache(params.locked(), batch_size=1, max_length=8)
+    >>> step_logits, params = lm(params, tokens[:, :1], decode=True, is_training=False)
+    >>> logits.shape, step_logits.shape, int(lm.cache_index(params))
+    ((1, 3, 11), (1, 1, 11), 1)
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        vocab_size: int,
+        model_size: int,
+        num_layers: int,
+        num_heads: int,
+        rng: Rng | None,
+        *,
+        max_length: int | None = None,
+        position: str = "rope",
+        mlp_size: int | None = None,
+        num_kv_heads: int | None = None,
+        dropout_rate: float = 0.0,
+        attention_dropout_rate: float = 0.0,
+        activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+        norm: str = "layer",
+        epsilon: float = 1e-5,
+        use_bias: bool = True,
+        tie_embeddings: bool = True,
+        embedding_init: Callable = _default_embedding_init,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(graph)
+        where = f"TransformerLM '{self.path_str}'"
+        if position not in ("rope", "learned", "sinusoidal", "none"):
+            raise ValueError(
+                f"{where}: position must be 'rope', 'learned', 'sinusoidal' or 'none', got "
+                f"{position!r}."
+            )
+        if position == "learned" and max_length is None:
+            raise ValueError(f"{where}: position='learned' needs max_length=<int>.")
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"{where}: num_layers must be a positive int, got {num_layers!r}.")
+        self.vocab_size = vocab_size
+        self.model_size = model_size
+        self.position = position
+        self.max_length = max_length
+        self.tie_embeddings = tie_embeddings
+        self.dtype = dtype
+        self.embed = Embed(
+            graph.child("embed"),
+            vocab_size,
+            model_size,
+            rng,
+            embedding_init,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
+        self.pos: Module | None = None
+        if position == "learned":
+            self.pos = LearnedPositionalEmbedding(
+                graph.child("pos"), max_length, rng, param_dtype=param_dtype
+            )
+        elif position == "sinusoidal":
+            self.pos = SinusoidalPositionalEncoding(graph.child("pos"))
+        self.dropout = Dropout(graph.child("dropout"), dropout_rate, rng)
+        self.blocks = [
+            TransformerBlock(
+                graph.child(f"block_{i}"),
+                model_size,
+                num_heads,
+                rng,
+                mlp_size=mlp_size,
+                num_kv_heads=num_kv_heads,
+                dropout_rate=dropout_rate,
+                attention_dropout_rate=attention_dropout_rate,
+                activation=activation,
+                norm=norm,
+                epsilon=epsilon,
+                use_rope=position == "rope",
+                use_bias=use_bias,
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
+            for i in range(num_layers)
+        ]
+        self.final_norm = _norm(graph.child("final_norm"), norm, epsilon, dtype, param_dtype)
+        self.head = (
+            None
+            if tie_embeddings
+            else Linear(graph.child("head"), vocab_size, rng, dtype=dtype, param_dtype=param_dtype)
+        )
+
+    def init_cache(
+        self, params: Params, batch_size: int, max_length: int, *, dtype: Any = None
+    ) -> Params:
+        """Returns params with an empty KV cache in every block (see
+        `MultiHeadAttention.init_cache`); call it again to start new sequences."""
+        if self.position == "learned" and max_length > self.max_length:
+            raise ValueError(
+                f"TransformerLM '{self.path_str}': a cache of max_length {max_length} exceeds "
+                f"the {self.max_length} learned positions. Use max_length <= "
+                f"{self.max_length}."
+            )
+        for block in self.blocks:
+            params = block.attn.init_cache(params, batch_size, max_length, dtype=dtype)
+        return params
+
+    def cache_index(self, params: Params) -> jax.Array:
+        """The number of tokens in the KV cache (int32 scalar)."""
+        return self.blocks[0].attn.cache_index(params)
+
+    def __call__(
+        self,
+        params: Params,
+        tokens: jax.Array,
+        *,
+        key_mask: ArrayLike | None = None,
+        is_training: bool = True,
+        decode: bool = False,
+    ) -> tuple[jax.Array, Params]:
+        """Maps ``tokens`` ``(B, T)`` to ``(logits (B, T, V), params)``."""
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2:
+            raise ValueError(
+                f"TransformerLM '{self.path_str}' expects integer tokens of shape (B, T), got "
+                f"{tuple(tokens.shape)}. Add a batch axis with tokens[None]."
+            )
+        h, params = self.embed(params, tokens)
+        if self.pos is not None:
+            positions = None
+            if decode:
+                positions = self.cache_index(params) + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+            h, params = self.pos(params, h, positions)
+        h, params = self.dropout(params, h, is_training=is_training)
+        for block in self.blocks:
+            h, params = block(
+                params,
+                h,
+                key_mask=key_mask,
+                is_causal=True,
+                is_training=is_training,
+                decode=decode,
+            )
+        h, params = self.final_norm(params, h)
+        if self.head is None:
+            return self.embed.attend(params, h)
+        return self.head(params, h)

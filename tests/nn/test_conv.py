@@ -1,0 +1,447 @@
+"""`Conv` / `ConvTranspose` contract: parameters, layouts, batch axes, padding rules against
+hand-written ``jax.lax`` calls, causality, transformations, dtypes and errors.
+
+Numerics against PyTorch (forward and gradients over a stride/padding/dilation/groups grid,
+both layouts) live in ``test_conv_torch.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import blox as bx
+from tests.tolerances import tol
+
+
+def _np_init(key, shape, dtype):
+    """Random values from NumPy: no XLA compilation per shape (keeps the tests fast)."""
+    del key
+    r = np.random.default_rng(int(np.prod(shape)))
+    return jnp.asarray(0.3 * r.standard_normal(shape), dtype)
+
+
+# The layers with NumPy-initialized parameters; the library's own initializers are checked
+# in test_default_kernel_init_is_lecun_normal_over_the_fan_in.
+Conv = functools.partial(bx.Conv, kernel_init=_np_init, bias_init=_np_init)
+ConvT = functools.partial(bx.ConvTranspose, kernel_init=_np_init, bias_init=_np_init)
+
+
+def _init(make, x, seed=0):
+    """Builds ``make(graph, rng)`` under 'net', initializes it on `x`; returns (layer, params)."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    layer = make(g, rng)
+    _, params = jax.jit(layer)(rng.seed(bx.Params(), seed=seed), x)  # one compile, not per op
+    return layer, params.locked()
+
+
+def _normal(shape, seed=0, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _kernel(params, name="conv"):
+    return params[("net", name, "kernel")].value
+
+
+def _bias(params, name="conv"):
+    return params[("net", name, "bias")].value
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize(
+    "kernel, groups, x_shape, kernel_shape",
+    [
+        (3, 1, (2, 9, 4), (3, 4, 6)),
+        ((3, 2), 2, (2, 7, 7, 4), (3, 2, 2, 6)),
+        ((2, 3, 1), 1, (2, 4, 5, 6, 3), (2, 3, 1, 3, 6)),
+    ],
+)
+def test_conv_parameter_paths_and_shapes(kernel, groups, x_shape, kernel_shape):
+    layer, params = _init(
+        lambda g, r: Conv(g / "conv", kernel, 6, r, feature_group_count=groups), _normal(x_shape)
+    )
+    assert sorted(k for k in params.keys() if k[1] == "conv") == [
+        ("net", "conv", "bias"),
+        ("net", "conv", "kernel"),
+    ]
+    assert _kernel(params).shape == kernel_shape and _kernel(params).dtype == jnp.float32
+    assert _bias(params).shape == (6,)
+    assert layer.num_spatial_dims == len(kernel_shape) - 2
+
+
+def test_conv_transpose_parameter_shapes_and_no_bias():
+    _, params = _init(
+        lambda g, r: ConvT(g / "conv", (2, 3), 6, r, feature_group_count=3),
+        _normal((2, 4, 4, 9)),
+    )
+    assert _kernel(params).shape == (2, 3, 2, 9)
+    _, params = _init(lambda g, r: ConvT(g / "conv", 4, 5, r, use_bias=False), _normal((2, 4, 3)))
+    assert _kernel(params).shape == (4, 5, 3)
+    assert ("net", "conv", "bias") not in params
+
+
+def test_jax_blox_positional_arguments_and_metadata():
+    """Conv(graph, kernel_size, output_channels, rng, strides, padding, input_dilation,
+    kernel_dilation, feature_group_count, use_bias, kernel_init, bias_init,
+    kernel_metadata, bias_metadata) as in jax-blox 0.1.6."""
+    ones = jax.nn.initializers.ones
+
+    def make(g, r):
+        return bx.Conv(
+            g / "conv", (3, 3), 4, r, 1, "VALID", 1, 1, 1, True, ones, ones,
+            {"sharding": (None, None, None, "model")}, {"sharding": ("model",)},
+        )  # fmt: skip
+
+    _, params = _init(make, jnp.ones((1, 5, 5, 2)))
+    assert params[("net", "conv", "kernel")].sharding == (None, None, None, "model")
+    assert params[("net", "conv", "bias")].sharding == ("model",)
+    y, _ = make(bx.Graph("other"), None)(params.unlocked(), jnp.ones((1, 5, 5, 2)))
+    np.testing.assert_allclose(np.asarray(y), np.full((1, 3, 3, 4), 9 * 2 + 1.0))
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["Conv", "ConvTranspose"])
+def test_default_kernel_init_is_lecun_normal_over_the_fan_in(transpose):
+    cls = bx.ConvTranspose if transpose else bx.Conv
+    _, params = _init(
+        lambda g, r: cls(g / "conv", (3, 3), 96, r, feature_group_count=2), jnp.ones((1, 4, 4, 64))
+    )
+    np.testing.assert_array_equal(np.asarray(_bias(params)), np.zeros(96))  # bias: zeros
+    kernel = np.asarray(_kernel(params))
+    fan_in = 9 * (64 if transpose else 32)  # Conv: prod(k) * C_in / G; transpose: prod(k) * C_in
+    assert abs(kernel.std() - fan_in**-0.5) < 0.03 * fan_in**-0.5
+    assert abs(kernel.mean()) < 0.03 * fan_in**-0.5
+
+
+# ----------------------------------------------------------------------------- padding rules
+
+
+@pytest.mark.parametrize("padding", ["SAME", "SAME_LOWER", "VALID", ((2, 0), (1, 3))])
+@pytest.mark.parametrize("strides", [(1, 1), (2, 3)])
+def test_conv_padding_matches_lax(padding, strides):
+    """The padding strings mean what they mean in lax.conv_general_dilated."""
+    x = _normal((2, 9, 8, 3))
+    layer, params = _init(
+        lambda g, r: Conv(
+            g / "conv", (3, 2), 4, r, strides, padding, kernel_dilation=(1, 2), use_bias=False
+        ),
+        x,
+    )
+    y, _ = jax.jit(layer)(params, x)
+    ref = lax.conv_general_dilated(
+        x, _kernel(params), strides, padding, rhs_dilation=(1, 2),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("float32"))
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+@pytest.mark.parametrize("kernel, strides, dilation", [(3, 2, 1), (4, 2, 1), (2, 3, 2), (5, 1, 1)])
+def test_conv_transpose_padding_matches_lax_conv_transpose(padding, kernel, strides, dilation):
+    """'SAME' / 'VALID' are lax.conv_transpose(..., transpose_kernel=True)'s (jax-blox's)."""
+    x = _normal((2, 5, 4, 3))
+    layer, params = _init(
+        lambda g, r: ConvT(
+            g / "conv", (kernel, kernel), 2, r, strides, padding, dilation, use_bias=False
+        ),
+        x,
+    )
+    y, _ = jax.jit(layer)(params, x)
+    ref = lax.conv_transpose(
+        x, _kernel(params), (strides, strides), padding, (dilation, dilation),
+        ("NHWC", "HWIO", "NHWC"), transpose_kernel=True,
+    )  # fmt: skip
+    assert y.shape == ref.shape
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("float32"))
+
+
+@pytest.mark.parametrize("strides, dilation", [(1, 1), (2, 1), (1, 3), (3, 2)])
+def test_causal_conv_sees_only_the_past(strides, dilation):
+    x = _normal((2, 12, 3))
+    layer, params = _init(
+        lambda g, r: Conv(g / "conv", 3, 4, r, strides, "CAUSAL", kernel_dilation=dilation), x
+    )
+    f = jax.jit(layer)
+    y, _ = f(params, x)
+    assert y.shape == (2, -(-12 // strides), 4)
+    for t in range(y.shape[1]):
+        # Changing inputs after t * strides leaves outputs 0..t unchanged.
+        y2, _ = f(params, x.at[:, t * strides + 1 :].add(1.0))
+        np.testing.assert_array_equal(np.asarray(y2[:, : t + 1]), np.asarray(y[:, : t + 1]))
+        if t + 1 < y.shape[1]:
+            assert not np.allclose(np.asarray(y2[:, t + 1 :]), np.asarray(y[:, t + 1 :]))
+    # The same as left-padding by hand, then 'VALID'.
+    pad = (3 - 1) * dilation
+    valid = Conv(bx.Graph("net") / "conv", 3, 4, None, strides, "VALID", kernel_dilation=dilation)
+    y_valid, _ = valid(params, jnp.pad(x, ((0, 0), (pad, 0), (0, 0))))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_valid), **tol("float32"))
+
+
+def test_causal_conv_transpose_sees_only_the_past():
+    x = _normal((2, 5, 3))
+    layer, params = _init(lambda g, r: ConvT(g / "conv", 3, 2, r, 2, "CAUSAL"), x)
+    f = jax.jit(layer)
+    y, _ = f(params, x)
+    assert y.shape == (2, 10, 2)
+    for j in range(5):  # input j influences outputs >= j * stride only
+        y2, _ = f(params, x.at[:, j].add(1.0))
+        np.testing.assert_array_equal(np.asarray(y2[:, : 2 * j]), np.asarray(y[:, : 2 * j]))
+        assert not np.allclose(np.asarray(y2[:, 2 * j]), np.asarray(y[:, 2 * j]))
+
+
+def test_padding_spellings_are_equivalent():
+    x = _normal((1, 6, 5, 2))
+    spellings = [1, (1, 1), ((1, 1), (1, 1)), [(1, 1), [1, 1]]]
+    outs = []
+    for pad in spellings:
+        layer, params = _init(lambda g, r, pad=pad: Conv(g / "conv", (3, 3), 2, r, padding=pad), x)
+        outs.append(np.asarray(layer(params, x)[0]))
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    layer, params = _init(lambda g, r: Conv(g / "conv", 3, 2, r, padding=(2, 0)), x[:, 0])
+    lower, _ = layer(params, x[:, 0])
+    causal, _ = Conv(bx.Graph("net") / "conv", 3, 2, None, padding="causal")(params, x[:, 0])
+    np.testing.assert_array_equal(np.asarray(lower), np.asarray(causal))
+
+
+# ----------------------------------------------------------------------------- layouts, batch
+
+
+@pytest.mark.parametrize(
+    "cls, kw, x_shape",
+    [
+        (Conv, dict(kernel_size=(3, 2), strides=2, feature_group_count=2), (2, 7, 6, 4)),
+        (Conv, dict(kernel_size=3, input_dilation=2, padding="CAUSAL"), (3, 9, 2)),
+        (Conv, dict(kernel_size=(2, 2, 2), padding="VALID"), (2, 3, 4, 5, 2)),
+        (
+            ConvT,
+            dict(kernel_size=(3, 3), strides=2, feature_group_count=2),
+            (2, 4, 5, 4),
+        ),
+    ],
+    ids=["conv2d-groups", "conv1d-causal-input-dil", "conv3d", "transpose2d-groups"],
+)
+def test_channels_first_gives_the_same_numbers_with_the_same_params(cls, kw, x_shape):
+    x = _normal(x_shape)
+    layer, params = _init(lambda g, r: cls(g / "conv", output_channels=6, rng=r, **kw), x)
+    first = cls(bx.Graph("net") / "conv", output_channels=6, rng=None, channels_first=True, **kw)
+    y, _ = jax.jit(layer)(params, x)
+    xt = jnp.moveaxis(x, -1, 1)
+    # Nothing is created: one set of parameters serves both layouts.
+    assert jax.tree.structure(jax.eval_shape(first, params, xt)[1]) == jax.tree.structure(params)
+    yt, _ = jax.jit(first)(params, xt)
+    np.testing.assert_allclose(np.asarray(jnp.moveaxis(yt, 1, -1)), np.asarray(y), **tol("float32"))
+
+
+@pytest.mark.parametrize(
+    "cls, channels_first, batch",
+    [(Conv, False, ()), (Conv, True, (2, 3)), (ConvT, False, (2, 3)), (ConvT, True, ())],
+    ids=["Conv-NHWC-unbatched", "Conv-NCHW-B1xB2", "ConvT-NHWC-B1xB2", "ConvT-NCHW-unbatched"],
+)
+def test_any_number_of_batch_axes(cls, channels_first, batch):
+    x = _normal((6, 2, 5, 4))
+    flat = x if not channels_first else jnp.moveaxis(x, -1, 1)
+    layer, params = _init(
+        lambda g, r: cls(g / "conv", (3, 2), 5, r, strides=2, channels_first=channels_first), flat
+    )
+    ref, _ = jax.jit(layer)(params, flat)
+    n = int(np.prod(batch))
+    xb = flat[:n].reshape(batch + flat.shape[1:])
+    y, _ = jax.jit(layer)(params, xb)
+    assert y.shape == batch + ref.shape[1:]
+    np.testing.assert_allclose(
+        np.asarray(y).reshape((n,) + ref.shape[1:]), np.asarray(ref[:n]), **tol("float32")
+    )
+
+
+# ----------------------------------------------------------------------------- transformations
+
+
+LAYERS = {
+    "Conv2d": (lambda g, r: Conv(g / "conv", (3, 3), 4, r, 2), (2, 6, 6, 3)),
+    "Conv1d-depthwise": (
+        lambda g, r: Conv(g / "conv", 3, 6, r, padding="CAUSAL", feature_group_count=3),
+        (2, 7, 3),
+    ),
+    "ConvTranspose2d": (
+        lambda g, r: ConvT(g / "conv", (3, 3), 4, r, 2, feature_group_count=2),
+        (2, 3, 3, 2),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_jit_vmap_grad_eval_shape_and_no_retrace(name):
+    make, shape = LAYERS[name]
+    x = _normal(shape)
+    layer, params = _init(make, x)
+    y, p_out = layer(params, x)
+    assert p_out is params
+    y_jit, p_jit = jax.jit(layer)(params, x)
+    np.testing.assert_allclose(np.asarray(y_jit), np.asarray(y), **tol("float32"))
+    chex.assert_trees_all_equal_shapes_and_dtypes(p_jit, params)
+    assert jax.tree.structure(p_jit) == jax.tree.structure(params)
+    out = jax.eval_shape(layer, params, x)
+    assert out[0].shape == y.shape and out[0].dtype == y.dtype
+    ys, _ = jax.jit(jax.vmap(layer, in_axes=(None, 0)))(params, jnp.stack([x, 2 * x]))
+    np.testing.assert_allclose(np.asarray(ys[0]), np.asarray(y), **tol("float32"))
+    train, rest = params.split()
+    grads = jax.jit(jax.grad(lambda t: jnp.sum(layer(t.merge(rest), x)[0] ** 2)))(train)
+    assert jax.tree.structure(grads) == jax.tree.structure(train)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(params, x):
+        return layer(params, x)
+
+    _, params = step(params, x)
+    _, params = step(params, x)
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float64], ids=["bf16", "f64"])
+def test_params_cast_to_other_float_widths(name, dtype):
+    make, shape = LAYERS[name]
+    with jax.enable_x64(dtype == jnp.float64):
+        x = _normal(shape)
+        layer, params = _init(make, x)
+        f = jax.jit(layer)
+        ref, _ = f(params, x)
+        cast = jax.tree.map(
+            lambda v: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, params
+        )
+        y, _ = f(cast, x.astype(dtype))
+        assert y.dtype == dtype
+        t = 5e-2 if dtype == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref), rtol=t, atol=t)
+        # f32 params with a bf16 input compute in f32 (promotion), explicit dtype= wins.
+        if dtype == jnp.bfloat16:
+            assert jax.eval_shape(layer, params, x.astype(dtype))[0].dtype == jnp.float32
+
+
+def test_explicit_compute_dtype_and_precision():
+    x = _normal((2, 5, 5, 3))
+    layer, params = _init(lambda g, r: Conv(g / "conv", 3, 4, r, dtype=jnp.bfloat16), x)
+    assert layer(params, x)[0].dtype == jnp.bfloat16
+    assert _kernel(params).dtype == jnp.float32
+    layer, params = _init(lambda g, r: Conv(g / "conv", 3, 4, r), x)
+    hi, _ = layer(params, x, precision=lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(hi), np.asarray(layer(params, x)[0]), **tol("float32"))
+
+
+def test_repr_names_the_path_and_changed_arguments():
+    g = bx.Graph("net")
+    conv = bx.Conv(g / "conv", (3, 3), 8, None, strides=2, channels_first=True)
+    assert repr(conv).startswith("Conv(") and "at 'net/conv'" in repr(conv)
+    assert "strides=2" in repr(conv) and "channels_first=True" in repr(conv)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _conv(*args, **kw):
+    return bx.Conv(bx.Graph("net") / "enc" / "conv", *args, **kw)
+
+
+def _convt(*args, **kw):
+    return bx.ConvTranspose(bx.Graph("net") / "dec" / "up", *args, **kw)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: _conv((3, 3), 4, None, padding="FULL"), r"Conv 'net/enc/conv': unknown padding"),
+        (lambda: _conv((3, 3), 4, None, padding="CAUSAL"), r"'CAUSAL' padding is only defined"),
+        (lambda: _conv(3, 4, None, padding=((1, 1), (1, 1))), r"2 entries for 1 spatial"),
+        (lambda: _conv((3, 3), 4, None, padding=((1, -1), (0, 0))), r"must be >= 0"),
+        (lambda: _conv((3, 3), 4, None, padding=((1, 1, 1), 0)), r"not a \(low, high\) pair"),
+        (lambda: _conv((3, 3), 4, None, padding=1.5), r"bad padding 1.5"),
+        (lambda: _conv((3, 3), 4, None, padding=((1.0, 1), (0, 0))), r"must be ints"),
+        (lambda: _conv((3, 3), 4, None, strides=(1, 1, 1)), r"strides has 3 entries .* 2 spatial"),
+        (lambda: _conv((3, 0), 4, None), r"kernel_size must be positive ints"),
+        (lambda: _conv((), 4, None), r"kernel_size must not be empty"),
+        (lambda: _conv((3, 3), 0, None), r"output_channels must be a positive int"),
+        (lambda: _conv((3, 3), 6, None, feature_group_count=4), r"output_channels=6 .* by"),
+        (lambda: _conv((3, 3), 6, None, feature_group_count=0), r"feature_group_count must be"),
+        (lambda: _convt((3, 3), 4, None, padding="SAME_LOWER"), r"'net/dec/up': unknown padding"),
+        (lambda: _convt((3, 3), 4, None, 2, output_padding=2), r"output_padding\[0\]=2 must be"),
+        (lambda: _convt((3, 3), 4, None, output_padding=(1,)), r"output_padding must be"),
+    ],
+)
+def test_constructor_errors_name_the_path_and_the_fix(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+def _params():
+    return bx.Params()
+
+
+@pytest.mark.parametrize(
+    "layer, x_shape, match",
+    [
+        # Kernel larger than a VALID input.
+        (
+            lambda: _conv((3, 5), 4, None, padding="VALID"),
+            (2, 8, 4, 1),
+            r"Conv 'net/enc/conv': spatial axis 1 .*size 4 .*\(2, 8, 4, 1\).* kernel size 5",
+        ),
+        (
+            lambda: _conv(3, 4, None, padding="VALID", kernel_dilation=3),
+            (2, 6, 1),
+            r"smaller than the dilated kernel size 7 .*padding='SAME'",
+        ),
+        # Channels not divisible by the group count.
+        (
+            lambda: _conv((3, 3), 4, None, feature_group_count=2),
+            (2, 8, 8, 3),
+            r"'net/enc/conv': the input has 3 channels .*\(2, 8, 8, 3\).*feature_group_count=2",
+        ),
+        (
+            lambda: _convt((3, 3), 4, None, feature_group_count=4, channels_first=True),
+            (2, 6, 5, 5),
+            r"ConvTranspose 'net/dec/up': the input has 6 channels \(axis -3",
+        ),
+        # Wrong input rank for the conv's dimensionality.
+        (
+            lambda: _conv((3, 3), 4, None),
+            (28, 28),
+            r"'net/enc/conv' is 2-D .*\(\.\.\., H, W, C\) .*got shape \(28, 28\)",
+        ),
+        (
+            lambda: _conv((3, 3, 3), 4, None, channels_first=True),
+            (1, 8, 8),
+            r"is 3-D .*\(\.\.\., C, D, H, W\) with at least 4 axes",
+        ),
+        # A transposed conv whose explicit pads leave nothing.
+        (
+            lambda: _convt(5, 4, None, padding=(0, 0)),
+            (2, 1, 3),
+            r"'net/dec/up': spatial axis 0 .*empty output",
+        ),
+    ],
+)
+def test_call_errors_name_the_path_shapes_and_fix(layer, x_shape, match):
+    with pytest.raises(ValueError, match=match):
+        layer()(_params(), jnp.ones(x_shape))
+
+
+def test_changed_input_channels_name_both_kernel_shapes():
+    layer = _conv((3, 3), 4, None, kernel_init=jax.nn.initializers.ones)
+    _, params = layer(_params(), jnp.ones((1, 5, 5, 3)))
+    with pytest.raises(ValueError, match=r"'net/enc/conv': its kernel has shape \(3, 3, 3, 4\)"):
+        layer(params, jnp.ones((1, 5, 5, 2)))
+    # The classic layout slip: NCHW data into a channels-last layer.
+    with pytest.raises(ValueError, match=r"needs \(3, 3, 5, 4\) .*channels_first"):
+        layer(params, jnp.ones((1, 3, 5, 5)))

@@ -1,0 +1,308 @@
+"""`Embed`, `LayerNorm`, `RMSNorm` and the sinusoidal / learned positional encodings.
+
+References: PyTorch CPU (``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``) with the
+weights copied across, forward and gradients; NumPy for the positional tables.
+Tolerances: ``tests/tolerances.py`` ``tol(dtype)`` (f32 rtol 1e-5 / atol 1e-6, f64 rtol
+1e-10 / atol 1e-12); float64 inside ``jax.enable_x64(True)``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import blox as bx
+from tests.nn.test_reference_torch import (
+    TORCH_DTYPES,
+    _assert_close,
+    _grads,
+    _load,
+    _np,
+    _precision,
+)
+from tests.tolerances import tol
+
+DTYPES = ["float32", "float64"]
+
+
+def _seeded(name="net"):
+    g = bx.Graph(name)
+    rng = bx.Rng(g / "rng")
+    return g, rng, rng.seed(bx.Params(), seed=0)
+
+
+# ---------------------------------------------------------------------------
+# Embed
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_lookup_and_attend_match_torch(dtype):
+    """Lookup vs nn.Embedding and attend vs ``x @ weight.T``: outputs, d/d table, d/d x.
+
+    The loss uses both (a tied LM head), so the table gradient sums both paths.
+    """
+    torch.manual_seed(0)
+    v, d = 7, 5
+    ref = torch.nn.Embedding(v, d, dtype=TORCH_DTYPES[dtype])
+    rs = np.random.default_rng(0)
+    idx = rs.integers(0, v, size=(2, 4))
+    x = rs.standard_normal((3, d)).astype(dtype)
+    r1 = rs.standard_normal((2, 4, d)).astype(dtype)
+    r2 = rs.standard_normal((3, v)).astype(dtype)
+
+    x_t = torch.tensor(x, requires_grad=True)
+    e_t = ref(torch.tensor(idx))
+    a_t = x_t @ ref.weight.T
+    ((e_t * torch.tensor(r1)).sum() + (a_t * torch.tensor(r2)).sum()).backward()
+
+    with _precision(dtype):
+        g, rng, params = _seeded()
+        embed = bx.Embed(g / "embed", v, d, rng, param_dtype=dtype)
+        _, params = embed(params, jnp.zeros((1,), jnp.int32))
+        params = _load(params, {("net", "embed", "embedding"): _np(ref.weight)})
+        e, _ = embed(params, jnp.asarray(idx))
+        a, _ = embed.attend(params, jnp.asarray(x))
+        _assert_close(e, _np(e_t), dtype, "Embed lookup")
+        _assert_close(a, _np(a_t), dtype, "Embed.attend")
+
+        def loss(params, x):
+            e, params = embed(params, jnp.asarray(idx))
+            a, _ = embed.attend(params, x)
+            return jnp.sum(e * jnp.asarray(r1)) + jnp.sum(a * jnp.asarray(r2))
+
+        g_params, g_x = _grads(loss, params, jnp.asarray(x))
+    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x")
+    _assert_close(
+        g_params[("net", "embed", "embedding")].value, _np(ref.weight.grad), dtype, "d/d table"
+    )
+
+
+def test_embed_default_init_variance_and_out_of_range_is_nan():
+    g, rng, params = _seeded()
+    embed = bx.Embed(g / "embed", 4000, 16, rng)
+    y, params = embed(params, jnp.array([0, 3999, 4000, -1]))
+    table = np.asarray(params[("net", "embed", "embedding")].value)
+    # variance_scaling(1, fan_in, normal, out_axis=0): fan-in = D = 16, std 1/4.
+    assert abs(table.std() - 0.25) < 0.01, table.std()
+    np.testing.assert_array_equal(np.asarray(y[0]), table[0])
+    np.testing.assert_array_equal(np.asarray(y[1]), table[3999])
+    assert np.isnan(np.asarray(y[2:])).all()
+
+
+def test_embed_errors():
+    g, rng, params = _seeded()
+    embed = bx.Embed(g / "embed", 10, 4, rng)
+    with pytest.raises(TypeError, match=r"Embed 'net/embed': indices must be integers.*float32"):
+        embed(params, jnp.ones((2, 3)))
+    with pytest.raises(
+        ValueError,
+        match=r"Embed 'net/embed'.attend expects inputs of shape \(\.\.\., 4\) "
+        r"\(embedding \(10, 4\)\), got shape \(2, 5\)",
+    ):
+        embed.attend(params, jnp.ones((2, 5)))
+    with pytest.raises(ValueError, match="Embed 'net/bad': embedding_size must be a positive"):
+        bx.Embed(g / "bad", 10, 0, rng)
+
+
+# ---------------------------------------------------------------------------
+# LayerNorm / RMSNorm
+# ---------------------------------------------------------------------------
+
+
+def _torch_norm(kind, d, dtype, use_scale, use_bias, eps):
+    tdt = TORCH_DTYPES[dtype]
+    if kind == "layer":
+        ref = torch.nn.LayerNorm(
+            d, eps=eps, elementwise_affine=use_scale, bias=use_bias and use_scale, dtype=tdt
+        )
+    else:
+        ref = torch.nn.RMSNorm(d, eps=eps, elementwise_affine=use_scale, dtype=tdt)
+    with torch.no_grad():  # non-trivial affine parameters
+        if ref.weight is not None:
+            ref.weight.copy_(torch.linspace(0.5, 1.5, d, dtype=tdt))
+        if getattr(ref, "bias", None) is not None:
+            ref.bias.copy_(torch.linspace(-0.3, 0.2, d, dtype=tdt))
+    return ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "kind, use_scale, use_bias",
+    [("layer", True, True), ("layer", True, False), ("layer", False, False), ("rms", True, False)],
+    ids=["ln", "ln-nobias", "ln-plain", "rms"],
+)
+def test_norms_match_torch(dtype, kind, use_scale, use_bias):
+    """LayerNorm / RMSNorm vs torch on (2, 3, 6) inputs: outputs, d/dx, d/dscale, d/dbias."""
+    d, eps = 6, 1e-5
+    ref = _torch_norm(kind, d, dtype, use_scale, use_bias, eps)
+    rs = np.random.default_rng(3)
+    x = (3.0 + 2.0 * rs.standard_normal((2, 3, d))).astype(dtype)
+    r = rs.standard_normal((2, 3, d)).astype(dtype)
+    x_t = torch.tensor(x, requires_grad=True)
+    y_t = ref(x_t)
+    (y_t * torch.tensor(r)).sum().backward()
+
+    with _precision(dtype):
+        g, rng, params = _seeded()
+        if kind == "layer":
+            norm = bx.LayerNorm(
+                g / "norm", eps, use_scale=use_scale, use_bias=use_bias, param_dtype=dtype
+            )
+        else:
+            norm = bx.RMSNorm(g / "norm", eps, use_scale=use_scale, param_dtype=dtype)
+        _, params = norm(params, jnp.zeros((1, d), dtype))
+        weights = {}
+        if use_scale:
+            weights[("net", "norm", "scale")] = _np(ref.weight)
+        if use_bias:
+            weights[("net", "norm", "bias")] = _np(ref.bias)
+        params = _load(params, weights)
+        assert set(params.keys()) == {("net", "rng", "seed"), ("net", "rng", "counter"), *weights}
+        y, _ = norm(params, jnp.asarray(x))
+        _assert_close(y, _np(y_t), dtype, f"{kind} norm output")
+
+        def loss(params, x):
+            y, _ = norm(params, x)
+            return jnp.sum(y * jnp.asarray(r))
+
+        g_params, g_x = _grads(loss, params, jnp.asarray(x))
+    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x")
+    if use_scale:
+        _assert_close(
+            g_params[("net", "norm", "scale")].value, _np(ref.weight.grad), dtype, "d/d scale"
+        )
+    if use_bias:
+        _assert_close(
+            g_params[("net", "norm", "bias")].value, _np(ref.bias.grad), dtype, "d/d bias"
+        )
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_norm_statistics_in_float32_for_bf16(kind):
+    """bf16 input + bf16 params: output bf16, statistics in f32. A large mean (1000 + small
+    noise) loses everything if the variance is taken in bf16; the reference is NumPy f64 on
+    the same bf16 values."""
+    g, rng, params = _seeded()
+    norm = bx.LayerNorm(g / "n") if kind == "layer" else bx.RMSNorm(g / "n")
+    x = (1000.0 + jax.random.normal(jax.random.key(0), (4, 64))).astype(jnp.bfloat16)
+    _, params = norm(params, x)
+    params = jax.tree.map(lambda v: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v, params)
+    y, _ = norm(params, x)
+    assert y.dtype == jnp.bfloat16
+    xf = np.asarray(x, np.float64)
+    if kind == "layer":
+        ref = (xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)
+    else:
+        ref = xf / np.sqrt((xf**2).mean(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, **tol(jnp.bfloat16))
+    # f32 params with a bf16 input: the output is promoted to f32 (the layer dtype policy).
+    _, p32 = norm(rng.seed(bx.Params(), seed=0), x)
+    assert norm(p32, x)[0].dtype == jnp.float32
+
+
+def test_norm_cross_device_statistics_with_axis_name():
+    """axis_name: statistics over the named (vmap) axis too = whole-batch statistics."""
+    g = bx.Graph("net")
+    ln = bx.LayerNorm(g / "ln", axis_name="seq")
+    rms = bx.RMSNorm(g / "rms", axis_name="seq")
+    x = np.random.default_rng(0).standard_normal((4, 2, 3)).astype(np.float32)
+    # Init outside the named axis with plain norms at the same paths (ones / zeros).
+    g0 = bx.Graph("net")
+    _, params = bx.LayerNorm(g0 / "ln")(bx.Params(), jnp.asarray(x[0]))
+    _, params = bx.RMSNorm(g0 / "rms")(params, jnp.asarray(x[0]))
+
+    y_ln = jax.vmap(lambda v: ln(params, v)[0], axis_name="seq")(jnp.asarray(x))
+    y_rms = jax.vmap(lambda v: rms(params, v)[0], axis_name="seq")(jnp.asarray(x))
+    # Reference: per row b, the mean/var over (all vmap lanes, features).
+    xf = x.astype(np.float64)
+    mean = xf.mean(axis=(0, 2), keepdims=True)
+    var = ((xf - mean) ** 2).mean(axis=(0, 2), keepdims=True)
+    np.testing.assert_allclose(y_ln, (xf - mean) / np.sqrt(var + 1e-5), **tol(jnp.float32))
+    ms = (xf**2).mean(axis=(0, 2), keepdims=True)
+    np.testing.assert_allclose(y_rms, xf / np.sqrt(ms + 1e-5), **tol(jnp.float32))
+
+
+def test_norm_errors():
+    g, rng, params = _seeded()
+    ln = bx.LayerNorm(g / "ln")
+    _, params = ln(params, jnp.ones((2, 4)))
+    with pytest.raises(
+        ValueError,
+        match=r"LayerNorm 'net/ln' normalizes 4 features \(scale \(4,\)\), got input shape "
+        r"\(2, 5\)\. Fix",
+    ):
+        ln(params, jnp.ones((2, 5)))
+    rms = bx.RMSNorm(g / "rms")
+    _, params = rms(params, jnp.ones((3,)))
+    with pytest.raises(ValueError, match=r"RMSNorm 'net/rms' normalizes 3 features"):
+        rms(params, jnp.ones((3, 2)))
+    with pytest.raises(ValueError, match=r"RMSNorm 'net/rms': input must not be scalar"):
+        rms(params, jnp.float32(1.0))
+    with pytest.raises(ValueError, match=r"LayerNorm 'net/bad': epsilon must be > 0"):
+        bx.LayerNorm(g / "bad", epsilon=0.0)
+
+
+# ---------------------------------------------------------------------------
+# Positional encodings (sinusoidal, learned); RoPE is in test_attention.py
+# ---------------------------------------------------------------------------
+
+
+def _np_sinusoid(positions, dim, base=10000.0):
+    pe = np.zeros((*np.shape(positions), dim))
+    for i in range(dim // 2):
+        w = 1.0 / base ** (2 * i / dim)
+        pe[..., 2 * i] = np.sin(np.asarray(positions, np.float64) * w)
+        pe[..., 2 * i + 1] = np.cos(np.asarray(positions, np.float64) * w)
+    return pe
+
+
+def test_sinusoidal_encoding_matches_the_formula():
+    with jax.enable_x64(True):
+        pe = bx.sinusoidal_encoding(jnp.arange(50), 16, dtype=jnp.float64)
+        np.testing.assert_allclose(pe, _np_sinusoid(np.arange(50), 16), **tol(jnp.float64))
+    pe32 = bx.sinusoidal_encoding(jnp.arange(50), 16)
+    assert pe32.dtype == jnp.float32
+    np.testing.assert_allclose(pe32, _np_sinusoid(np.arange(50), 16), rtol=1e-5, atol=2e-5)
+
+    g = bx.Graph("net")
+    enc = bx.SinusoidalPositionalEncoding(g / "pos")
+    x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
+    y, _ = enc(bx.Params(), jnp.asarray(x))
+    np.testing.assert_allclose(y, x + _np_sinusoid(np.arange(5), 8), rtol=1e-5, atol=2e-6)
+    # Offsets (decoding): per-batch positions.
+    pos = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]])
+    y, _ = enc(bx.Params(), jnp.asarray(x), jnp.asarray(pos))
+    np.testing.assert_allclose(y, x + _np_sinusoid(pos, 8), rtol=1e-5, atol=2e-6)
+    with pytest.raises(ValueError, match=r"dim must be a positive even int"):
+        bx.sinusoidal_encoding(jnp.arange(3), 5)
+    with pytest.raises(
+        ValueError,
+        match=r"SinusoidalPositionalEncoding 'net/pos': positions must have shape \(T,\) = "
+        r"\(5,\) or \(B, T\) for input of shape \(2, 5, 8\), got \(4,\)",
+    ):
+        enc(bx.Params(), jnp.asarray(x), jnp.arange(4))
+
+
+def test_learned_positional_embedding_adds_rows_and_checks_length():
+    g, rng, params = _seeded()
+    pos = bx.LearnedPositionalEmbedding(g / "pos", 6, rng)
+    x = np.random.default_rng(0).standard_normal((2, 4, 3)).astype(np.float32)
+    y, params = pos(params, jnp.asarray(x))
+    table = np.asarray(params[("net", "pos", "embedding")].value)
+    assert table.shape == (6, 3)
+    assert 0.005 < table.std() < 0.05  # normal(0.02)
+    np.testing.assert_allclose(y, x + table[:4], **tol(jnp.float32))
+    y2, _ = pos(params, jnp.asarray(x[:, :1]), jnp.array([5]))
+    np.testing.assert_allclose(y2, x[:, :1] + table[5:6], **tol(jnp.float32))
+    with pytest.raises(
+        ValueError,
+        match=r"LearnedPositionalEmbedding 'net/pos': input has T = 7 positions \(shape "
+        r"\(1, 7, 3\)\) but the table holds max_length = 6",
+    ):
+        pos(params, jnp.ones((1, 7, 3)))
+    with pytest.raises(ValueError, match=r"expects inputs of shape \(\.\.\., 3\)"):
+        pos(params, jnp.ones((1, 2, 5)))

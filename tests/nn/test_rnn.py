@@ -1,0 +1,426 @@
+"""Recurrent layers: MGU against NumPy, scans as a pair, resets, lengths, carried state,
+the layer contract (jit / vmap / grad / bf16 / no retrace), errors, benchmark smoke.
+
+PyTorch references for GRU, SimpleRNN and Bidirectional live in ``test_rnn_torch.py``.
+Tolerances: ``tests/tolerances.py`` ``tol(dtype)``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import blox as bx
+from tests.tolerances import tol
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CELLS = ["LSTM", "GRU", "SimpleRNN", "MGU"]
+
+
+def _cell(kind: str, node, h: int, rng, **kw):
+    return getattr(bx, kind)(node, h, rng, **kw)
+
+
+def _build(kind: str, h: int = 4, is_static: bool = False, **kw):
+    """``(layer, rng)`` at 'net/layer'; Bidirectional wraps two GRUs."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    node = g / "layer"
+    if kind == "Bidirectional":
+        fwd = bx.GRU(node / "fwd", h, rng, is_static=is_static, **kw)
+        bwd = bx.MGU(node / "bwd", h, rng, is_static=is_static, **kw)
+        return bx.Bidirectional(node, fwd, bwd), rng
+    return _cell(kind, node, h, rng, is_static=is_static, **kw), rng
+
+
+def _init(layer, rng, x):
+    _, params = layer.apply(rng.seed(bx.Params(), seed=0), x)
+    return params.locked()
+
+
+# ---------------------------------------------------------------------------
+# MGU against a NumPy transcription of its equations
+# ---------------------------------------------------------------------------
+
+
+def _sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def _numpy_mgu(x, h0, w, u, b, flags=None, lengths=None):
+    """The paper's equations, one row and one step at a time, with blox's reset (zero the
+    state first) and length (freeze the state, zero the output) rules."""
+    bsz, steps, _ = x.shape
+    hs = h0.shape[1]
+    h = h0.copy()
+    out = np.zeros((bsz, steps, hs), x.dtype)
+    for t in range(steps):
+        for row in range(bsz):
+            if lengths is not None and t >= lengths[row]:
+                continue
+            prev = np.zeros(hs, x.dtype) if flags is not None and flags[row, t] else h[row]
+            gi = x[row, t] @ w + b
+            f = _sigmoid(gi[:hs] + prev @ u[:, :hs])
+            n = np.tanh(gi[hs:] + (f * prev) @ u[:, hs:])
+            h[row] = (1 - f) * prev + f * n
+            out[row, t] = h[row]
+    return out, h
+
+
+def _mgu_weights(params, path=("net", "layer")):
+    return [np.asarray(params[(*path, n)].value) for n in ("kernel", "recurrent_kernel", "bias")]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("is_static", [True, False], ids=["static", "dynamic"])
+def test_mgu_matches_numpy_with_resets_and_lengths(dtype, is_static):
+    """MGU.apply from a given h0, with resets and lengths, vs `_numpy_mgu`: outputs and
+    final state. Tolerance: tol(dtype)."""
+    b, t, f, h = 4, 7, 3, 5
+    rs = np.random.default_rng(0)
+    x = rs.standard_normal((b, t, f)).astype(dtype)
+    h0 = rs.standard_normal((b, h)).astype(dtype)
+    flags = rs.random((b, t)) < 0.25
+    lengths = np.array([7, 3, 0, 5])
+    with jax.enable_x64(dtype == "float64"):
+        layer, rng = _build("MGU", h, is_static, param_dtype=dtype)
+        params = _init(layer, rng, jnp.zeros((1, 2, f), dtype))
+        ref_out, ref_h = _numpy_mgu(x, h0, *_mgu_weights(params), flags, lengths)
+        run = jax.jit(lambda p, x, h0: layer.apply(p, x, h0, is_reset=flags, seq_lengths=lengths))
+        (out, state), _ = run(params, x, bx.MGUState(jnp.asarray(h0)))
+        assert out.dtype == dtype and isinstance(state, bx.MGUState)
+        np.testing.assert_allclose(out, ref_out, **tol(dtype))
+        np.testing.assert_allclose(state.hidden, ref_h, **tol(dtype))
+        # The zero-length row keeps h0 exactly and outputs zeros.
+        np.testing.assert_array_equal(state.hidden[2], h0[2])
+        np.testing.assert_array_equal(out[2], 0.0)
+
+
+def test_mgu_gradients_match_finite_differences():
+    """float64 reverse-mode gradients of MGU.apply (with resets and lengths) w.r.t. x,
+    h0 and all three weights against central finite differences (jax check_grads)."""
+    b, t, f, h = 2, 4, 3, 3
+    rs = np.random.default_rng(1)
+    with jax.enable_x64(True):
+        layer, rng = _build("MGU", h, param_dtype="float64")
+        params = _init(layer, rng, jnp.zeros((1, 2, f), jnp.float64))
+        x = jnp.asarray(rs.standard_normal((b, t, f)))
+        h0 = jnp.asarray(rs.standard_normal((b, h)))
+        flags = jnp.asarray([[False, False, True, False], [False, False, False, False]])
+        lengths = jnp.asarray([4, 3])
+
+        def f_(x, h0, w, u, bias):
+            p = layer.set_param(params, "kernel", jnp.asarray(w))
+            p = layer.set_param(p, "recurrent_kernel", jnp.asarray(u))
+            p = layer.set_param(p, "bias", jnp.asarray(bias))
+            (out, state), _ = layer.apply(
+                p, x, bx.MGUState(h0), is_reset=flags, seq_lengths=lengths
+            )
+            return jnp.sum(jnp.sin(out)) + jnp.sum(state.hidden**2)
+
+        w, u, bias = (jnp.asarray(a) for a in _mgu_weights(params))
+        check_grads(jax.jit(f_), (x, h0, w, u, bias), order=1, modes=["rev"], eps=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Static and dynamic scans as a pair; resets; lengths; carried state
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind, locked",
+    [*((k, True) for k in [*CELLS, "Bidirectional"]), ("GRU", False), ("Bidirectional", False)],
+    ids=lambda v: {True: "locked", False: "unlocked"}.get(v, v) if isinstance(v, bool) else v,
+)
+def test_static_and_dynamic_agree(kind, locked):
+    """One params, both scans (under jit), with resets and lengths: same outputs and final
+    state (tol(float32)); the init path (unlocked params) too."""
+    b, t, f = 3, 6, 2
+    rs = np.random.default_rng(2)
+    x = jnp.asarray(rs.standard_normal((b, t, f)), jnp.float32)
+    flags = jnp.asarray(rs.random((b, t)) < 0.3)
+    lengths = jnp.asarray([6, 4, 1])
+    dyn, rng = _build(kind, is_static=False)
+    params = _init(dyn, rng, x)
+    if not locked:
+        params = params.unlocked()
+    results = []
+    for is_static in (True, False):
+        dyn.is_static = is_static
+        assert dyn.is_static is is_static
+
+        def run(p, x, dyn=dyn):
+            return dyn.apply(p, x, is_reset=flags, seq_lengths=lengths)[0]
+
+        results.append(jax.jit(run)(params, x))
+    for other in results[1:]:
+        chex.assert_trees_all_close(other, results[0], **tol("float32"))
+    out = results[0][0]
+    np.testing.assert_array_equal(out[2, 1:], 0.0)
+
+
+@pytest.mark.parametrize("kind", CELLS[1:])
+def test_reset_rows_when_batch_equals_hidden(kind):
+    """B == H: a reset zeroes the state of the marked *row* (jax-blox 0.1.6 zeroed hidden
+    columns): row 1 from step 2 equals a fresh run on x[1:2, 2:]; other rows unchanged."""
+    layer, rng = _build(kind, h=3)
+    x = jax.random.normal(jax.random.key(0), (3, 5, 2))
+    params = _init(layer, rng, x)
+    flags = jnp.zeros((3, 5), bool).at[1, 2].set(True)
+    (out, _), _ = layer.apply(params, x, is_reset=flags)
+    (fresh, _), _ = layer.apply(params, x[1:2, 2:])
+    (plain, _), _ = layer.apply(params, x)
+    np.testing.assert_allclose(out[1:2, 2:], fresh, **tol("float32"))
+    np.testing.assert_array_equal(out[jnp.array([0, 2])], plain[jnp.array([0, 2])])
+    np.testing.assert_array_equal(out[1, :2], plain[1, :2])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "MGU"])
+def test_lengths_freeze_state_and_zero_outputs(kind):
+    """Row b with length L: outputs [:L] equal a run on x[b, :L] alone, outputs [L:]
+    are zero, and the final state equals that run's final state (GRU and SimpleRNN:
+    against PyTorch's packed sequences in test_rnn_torch.py)."""
+    layer, rng = _build(kind)
+    x = jax.random.normal(jax.random.key(1), (3, 6, 2))
+    params = _init(layer, rng, x)
+    lengths = np.array([6, 2, 4])
+    (out, state), _ = layer.apply(params, x, seq_lengths=lengths)
+    for row, n in enumerate(lengths):
+        (ref, ref_state), _ = layer.apply(params, x[row : row + 1, :n])
+        np.testing.assert_allclose(out[row : row + 1, :n], ref, **tol("float32"))
+        np.testing.assert_array_equal(out[row, n:], 0.0)
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda s, row=row: s[row : row + 1], state), ref_state, **tol("float32")
+        )
+
+
+@pytest.mark.parametrize("kind", ["GRU", "MGU"])
+def test_carried_state_equals_one_long_run(kind):
+    """Truncated BPTT: two chunks with the carried final state equal one pass."""
+    layer, rng = _build(kind, h=5)
+    x = jax.random.normal(jax.random.key(3), (2, 9, 3))
+    params = _init(layer, rng, x)
+    (h_all, s_all), _ = layer.apply(params, x)
+    (h1, s1), _ = layer.apply(params, x[:, :4])
+    (h2, s2), _ = layer.apply(params, x[:, 4:], prev_state=s1)
+    np.testing.assert_allclose(jnp.concatenate([h1, h2], 1), h_all, **tol("float32"))
+    chex.assert_trees_all_close(s2, s_all, **tol("float32"))
+
+
+def test_traced_lengths_under_jit_match_concrete():
+    layer, rng = _build("GRU")
+    x = jax.random.normal(jax.random.key(4), (3, 5, 2))
+    params = _init(layer, rng, x)
+    lengths = jnp.asarray([5, 0, 3])
+    eager, _ = layer.apply(params, x, seq_lengths=lengths)
+    jitted, _ = jax.jit(lambda p, x, n: layer.apply(p, x, seq_lengths=n))(params, x, lengths)
+    chex.assert_trees_all_close(jitted, eager, **tol("float32"))
+
+
+def test_scan_functions_take_lengths():
+    """static_scan / dynamic_scan with seq_lengths on a running-sum step: the closed form
+    is the cumulative sum up to each length, then zeros; the state stops at the length."""
+    step = lambda p, x, s, r, t: ((s + x, s + x), p)  # noqa: E731
+    x = jnp.arange(12, dtype=jnp.float32).reshape(2, 6, 1)
+    lengths = np.array([6, 2])
+    ref = np.cumsum(np.asarray(x), axis=1)
+    ref[1, 2:] = 0.0
+    for scan in (bx.static_scan, bx.dynamic_scan):
+        (out, final), _ = scan(
+            step, bx.Params().locked(), x, jnp.zeros((2, 1)), seq_lengths=lengths
+        )
+        np.testing.assert_array_equal(out, ref)
+        np.testing.assert_array_equal(final[:, 0], [15.0, 6.0 + 7.0])
+
+
+# ---------------------------------------------------------------------------
+# Layer contract: jit, eval_shape, grad, vmap, bf16, no retrace, params tree kept
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", CELLS[1:] + ["Bidirectional"])
+def test_layer_contract(kind):
+    layer, rng = _build(kind)
+    x = jax.random.normal(jax.random.key(5), (2, 5, 3))
+    params = _init(layer, rng, x)
+    call = lambda p, x: layer.apply(p, x)  # noqa: E731
+
+    out_shape = jax.eval_shape(call, params, x)
+    (y, state), new = call(params, x)
+    chex.assert_trees_all_equal_shapes_and_dtypes(out_shape, ((y, state), new))
+    chex.assert_trees_all_equal_shapes_and_dtypes(new, params)
+    width = 8 if kind == "Bidirectional" else 4
+    assert y.shape == (2, 5, width)
+
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(params, x):
+        return call(params, x)
+
+    _, p1 = step(params, x)
+    (y_jit, _), _ = step(p1, x)
+    chex.assert_trees_all_close(y_jit, y, **tol("float32"))
+
+    t, nt = params.split()
+    grads = jax.grad(lambda t: jnp.sum(call(t.merge(nt), x)[0][0] ** 2))(t)
+    assert jax.tree.structure(grads) == jax.tree.structure(t)
+    assert all(
+        bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads)
+    )
+
+    ys, _ = jax.vmap(call, in_axes=(None, 0))(params, jnp.stack([x, 2 * x]))
+    np.testing.assert_allclose(ys[0][0], y, **tol("float32"))
+
+    cast = jax.tree.map(
+        lambda v: v.astype(jnp.bfloat16) if jnp.issubdtype(v.dtype, jnp.floating) else v, params
+    )
+    (y16, s16), _ = call(cast, x.astype(jnp.bfloat16))
+    assert y16.dtype == jnp.bfloat16
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(s16))
+    np.testing.assert_allclose(np.asarray(y16, np.float32), y, rtol=5e-2, atol=5e-2)
+
+
+def test_parameter_layout_and_initializers():
+    """Paths, shapes, and the documented initializers: per-gate orthogonal recurrent
+    kernels, zero biases."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    gru, rnn, mgu = (
+        bx.GRU(g / "gru", 4, rng),
+        bx.SimpleRNN(g / "rnn", 4, rng),
+        bx.MGU(g / "mgu", 4, rng),
+    )
+    params = rng.seed(bx.Params(), seed=0)
+    for layer in (gru, rnn, mgu):
+        _, params = layer.apply(params, jnp.ones((2, 3, 5)))
+    shapes = {k: v.value.shape for k, v in params.items() if k[1] != "rng"}
+    assert shapes == {
+        ("net", "gru", "kernel"): (5, 12),
+        ("net", "gru", "recurrent_kernel"): (4, 12),
+        ("net", "gru", "bias"): (12,),
+        ("net", "gru", "recurrent_bias"): (12,),
+        ("net", "rnn", "kernel"): (5, 4),
+        ("net", "rnn", "recurrent_kernel"): (4, 4),
+        ("net", "rnn", "bias"): (4,),
+        ("net", "rnn", "recurrent_bias"): (4,),
+        ("net", "mgu", "kernel"): (5, 8),
+        ("net", "mgu", "recurrent_kernel"): (4, 8),
+        ("net", "mgu", "bias"): (8,),
+    }
+    for name, gates in (("gru", 3), ("rnn", 1), ("mgu", 2)):
+        u = np.asarray(params[("net", name, "recurrent_kernel")].value)
+        for k in range(gates):
+            block = u[:, 4 * k : 4 * (k + 1)]
+            np.testing.assert_allclose(block.T @ block, np.eye(4), atol=1e-5)
+        np.testing.assert_array_equal(params[("net", name, "bias")].value, 0.0)
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+
+def test_cell_errors_name_path_shapes_and_fix():
+    layer, rng = _build("GRU")
+    x = jnp.ones((2, 5, 3))
+    params = _init(layer, rng, x)
+    with pytest.raises(
+        ValueError,
+        match=r"GRU 'net/layer' expects inputs with 3 features \(kernel \(3, 12\) = \(F, 3H\) "
+        r"with H=4\), got input shape \(2, 6\)\. Fix the input",
+    ):
+        layer.apply(params, jnp.ones((2, 5, 6)))
+    with pytest.raises(
+        ValueError,
+        match=r"GRU 'net/layer': seq_lengths must be in \[0, T\] = \[0, 5\], got "
+        r"seq_lengths\[1\] = 7 \(seq_lengths shape \(2,\), inputs \[B, T\] = \(2, 5\)\)\. Pad",
+    ):
+        layer.apply(params, x, seq_lengths=[5, 7])
+    with pytest.raises(ValueError, match=r"seq_lengths\[0\] = -1"):
+        layer.apply(params, x, seq_lengths=np.array([-1, 2]))
+    with pytest.raises(
+        ValueError, match=r"GRU 'net/layer': seq_lengths must have shape \[B\] = \(2,\).*\(2, 1\)"
+    ):
+        layer.apply(params, x, seq_lengths=np.ones((2, 1), int))
+    with pytest.raises(TypeError, match=r"seq_lengths must be integers, got dtype float32"):
+        layer.apply(params, x, seq_lengths=jnp.ones((2,)))
+    with pytest.raises(
+        ValueError, match=r"GRU 'net/layer': is_reset must have shape \[B, T\] = \(2, 5\)"
+    ):
+        layer.apply(params, x, is_reset=jnp.zeros((2,), bool))
+    state, _ = layer.initial_state(params, x[:, 0])
+    with pytest.raises(ValueError, match=r"'net/layer': is_reset for one step must have shape"):
+        layer(params, x[:, 0], state, is_reset=jnp.zeros((3,), bool))
+    with pytest.raises(ValueError, match=r"GRU __call__ method requires a valid prev_state"):
+        layer(params, x[:, 0])
+    with pytest.raises(ValueError, match=r"GRU 'net/layer': one step takes inputs of shape"):
+        layer(params, x, state)
+    with pytest.raises(
+        ValueError,
+        match=r"prev_state must be a GRUState with hidden \[B, H\] = \(2, 4\), got GRUState "
+        r"with hidden \(2, 5\)",
+    ):
+        layer(params, x[:, 0], bx.GRUState(jnp.zeros((2, 5))))
+    with pytest.raises(ValueError, match="MGU 'net/bad': hidden_size must be a positive int"):
+        bx.MGU(bx.Graph("net") / "bad", 0, rng)
+    with pytest.raises(ValueError, match=r"static_scan: seq_lengths must be in \[0, T\]"):
+        bx.static_scan(lambda *a: None, params, x, None, seq_lengths=[9, 1])
+
+
+def test_bidirectional_errors():
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    node = g / "bi"
+    fwd, bwd = bx.GRU(node / "f", 4, rng), bx.GRU(node / "b", 4, rng)
+    with pytest.raises(TypeError, match=r"Bidirectional 'net/bi': backward must be a recurrent"):
+        bx.Bidirectional(node, fwd, bx.Linear(node / "lin", 3, rng))
+    with pytest.raises(ValueError, match="forward and backward are the same module"):
+        bx.Bidirectional(g / "bi2", fwd, fwd)
+    with pytest.raises(ValueError, match=r"merge must be one of \['concat', 'sum'\]"):
+        bx.Bidirectional(g / "bi3", fwd, bwd, merge="max")
+    with pytest.raises(TypeError, match="merge must be a string or a function"):
+        bx.Bidirectional(g / "bi4", fwd, bwd, merge=3)
+    bi = bx.Bidirectional(g / "bi5", fwd, bwd, merge="sum")
+    x = jnp.ones((2, 5, 3))
+    params = rng.seed(bx.Params(), seed=0)
+    (y, _), params = bi(params, x)
+    assert y.shape == (2, 5, 4)
+    with pytest.raises(ValueError, match=r"Bidirectional 'net/bi5': seq_lengths must be in"):
+        bi(params, x, seq_lengths=[6, 1])
+    with pytest.raises(ValueError, match=r"Bidirectional 'net/bi5': prev_state must be a pair"):
+        bi(params, x, prev_state=bx.GRUState(jnp.zeros((2, 4))))
+
+
+# ---------------------------------------------------------------------------
+# Benchmark smoke
+# ---------------------------------------------------------------------------
+
+
+def test_layers_speed_benchmark_quick(tmp_path):
+    """``benchmarks/layers_speed.py --quick`` runs (same-math checks included) and writes
+    its own section; no timing asserts."""
+    out = tmp_path / "benchmarks.md"
+    out.write_text("# Benchmarks\n\nKept text.\n")
+    script = os.path.join(REPO, "benchmarks", "layers_speed.py")
+    res = subprocess.run(
+        [sys.executable, script, "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\nKept text.\n")
+    for needle in ("<!-- bench:layers_speed:begin -->", "LSTM", "transpose", "FLOPs"):
+        assert needle in text, needle

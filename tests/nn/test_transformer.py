@@ -1,0 +1,347 @@
+"""`TransformerBlock` and `TransformerLM` against PyTorch; KV-cache decoding; benchmark smoke.
+
+References: ``torch.nn.TransformerEncoderLayer(norm_first=True, batch_first=True)`` (the
+pre-norm block, with a causal mask and key padding), and a small torch decoder-only LM
+(``nn.Embedding`` + learned positions + those layers + ``nn.LayerNorm`` + tied output),
+weights copied across; forward and gradients w.r.t. every weight. Tolerances:
+``tol(dtype)`` (f32 rtol 1e-5 / atol 1e-6; f64 rtol 1e-10 / atol 1e-12).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import blox as bx
+from tests.nn.test_reference_torch import (
+    TORCH_DTYPES,
+    _assert_close,
+    _grads,
+    _load,
+    _np,
+    _precision,
+)
+from tests.tolerances import tol
+
+DTYPES = ["float32", "float64"]
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def _torch_layer(d, n, f, tdt, seed):
+    torch.manual_seed(seed)
+    layer = torch.nn.TransformerEncoderLayer(
+        d,
+        n,
+        f,
+        dropout=0.0,
+        activation=_gelu_tanh,
+        batch_first=True,
+        norm_first=True,
+        dtype=tdt,
+    )
+    with torch.no_grad():  # non-trivial norms and biases
+        for norm in (layer.norm1, layer.norm2):
+            norm.weight.copy_(1.0 + 0.1 * torch.randn(d, dtype=tdt))
+            norm.bias.copy_(0.1 * torch.randn(d, dtype=tdt))
+        layer.self_attn.in_proj_bias.copy_(0.1 * torch.randn(3 * d, dtype=tdt))
+    return layer.train()
+
+
+def _layer_weights(prefix, layer):
+    """torch TransformerEncoderLayer -> blox TransformerBlock parameter paths."""
+    wq, wk, wv = (_np(w).T.copy() for w in layer.self_attn.in_proj_weight.chunk(3))
+    bq, bk, bv = np.split(_np(layer.self_attn.in_proj_bias), 3)
+    return {
+        (*prefix, "norm1", "scale"): _np(layer.norm1.weight),
+        (*prefix, "norm1", "bias"): _np(layer.norm1.bias),
+        (*prefix, "attn", "query", "kernel"): wq,
+        (*prefix, "attn", "key", "kernel"): wk,
+        (*prefix, "attn", "value", "kernel"): wv,
+        (*prefix, "attn", "query", "bias"): bq,
+        (*prefix, "attn", "key", "bias"): bk,
+        (*prefix, "attn", "value", "bias"): bv,
+        (*prefix, "attn", "out", "kernel"): _np(layer.self_attn.out_proj.weight).T.copy(),
+        (*prefix, "attn", "out", "bias"): _np(layer.self_attn.out_proj.bias),
+        (*prefix, "norm2", "scale"): _np(layer.norm2.weight),
+        (*prefix, "norm2", "bias"): _np(layer.norm2.bias),
+        (*prefix, "mlp", "linear_0", "kernel"): _np(layer.linear1.weight).T.copy(),
+        (*prefix, "mlp", "linear_0", "bias"): _np(layer.linear1.bias),
+        (*prefix, "mlp", "linear_1", "kernel"): _np(layer.linear2.weight).T.copy(),
+        (*prefix, "mlp", "linear_1", "bias"): _np(layer.linear2.bias),
+    }
+
+
+def _layer_grads(prefix, layer):
+    """The gradients of `layer`'s weights, in blox layout (same keys as _layer_weights)."""
+    gq, gk, gv = (a.T for a in np.split(_np(layer.self_attn.in_proj_weight.grad), 3))
+    gbq, gbk, gbv = np.split(_np(layer.self_attn.in_proj_bias.grad), 3)
+    return {
+        (*prefix, "norm1", "scale"): _np(layer.norm1.weight.grad),
+        (*prefix, "norm1", "bias"): _np(layer.norm1.bias.grad),
+        (*prefix, "attn", "query", "kernel"): gq,
+        (*prefix, "attn", "key", "kernel"): gk,
+        (*prefix, "attn", "value", "kernel"): gv,
+        (*prefix, "attn", "query", "bias"): gbq,
+        (*prefix, "attn", "key", "bias"): gbk,
+        (*prefix, "attn", "value", "bias"): gbv,
+        (*prefix, "attn", "out", "kernel"): _np(layer.self_attn.out_proj.weight.grad).T,
+        (*prefix, "attn", "out", "bias"): _np(layer.self_attn.out_proj.bias.grad),
+        (*prefix, "norm2", "scale"): _np(layer.norm2.weight.grad),
+        (*prefix, "norm2", "bias"): _np(layer.norm2.bias.grad),
+        (*prefix, "mlp", "linear_0", "kernel"): _np(layer.linear1.weight.grad).T,
+        (*prefix, "mlp", "linear_0", "bias"): _np(layer.linear1.bias.grad),
+        (*prefix, "mlp", "linear_1", "kernel"): _np(layer.linear2.weight.grad).T,
+        (*prefix, "mlp", "linear_1", "bias"): _np(layer.linear2.bias.grad),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_matches_torch_pre_norm_encoder_layer(dtype):
+    """bx.TransformerBlock vs nn.TransformerEncoderLayer(norm_first=True) with a causal
+    mask and key padding: outputs, d/dx and d/d all 16 weights."""
+    tdt = TORCH_DTYPES[dtype]
+    b, t, d, n, f = 2, 5, 8, 2, 12
+    layer = _torch_layer(d, n, f, tdt, seed=0)
+    rs = np.random.default_rng(0)
+    x = rs.standard_normal((b, t, d)).astype(dtype)
+    r = rs.standard_normal((b, t, d)).astype(dtype)
+    key_mask = np.ones((b, t), bool)
+    key_mask[0, -1] = False
+    x_t = torch.tensor(x, requires_grad=True)
+    causal = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+    y_t = layer(x_t, src_mask=causal, src_key_padding_mask=torch.tensor(~key_mask))
+    (y_t * torch.tensor(r)).sum().backward()
+
+    with _precision(dtype):
+        g = bx.Graph("net")
+        rng = bx.Rng(g / "rng")
+        block = bx.TransformerBlock(g / "block", d, n, rng, mlp_size=f, param_dtype=dtype)
+        _, params = block(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, d), dtype))
+        weights = _layer_weights(("net", "block"), layer)
+        params = _load(params, weights)
+
+        def run(params, x):
+            return block(
+                params, x, key_mask=jnp.asarray(key_mask), is_causal=True, is_training=False
+            )[0]
+
+        _assert_close(jax.jit(run)(params, jnp.asarray(x)), _np(y_t), dtype, "block output")
+        g_params, g_x = _grads(
+            lambda p, x: jnp.sum(run(p, x) * jnp.asarray(r)), params, jnp.asarray(x)
+        )
+    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x")
+    want = _layer_grads(("net", "block"), layer)
+    assert set(g_params.keys()) == set(want)
+    for path, value in want.items():
+        _assert_close(g_params[path].value, value, dtype, "d/d " + "/".join(path[2:]))
+
+
+def _assert_grad_close(actual, expected, dtype, what):
+    """tol(dtype), with atol scaled by the gradient's largest magnitude: the LM's weight
+    gradients reach ~10, and float32 sums over two layers carry ~1e-6 of absolute noise
+    relative to that scale (rtol stays as in tol(dtype))."""
+    t = tol(dtype)
+    atol = t["atol"] * max(1.0, float(np.max(np.abs(expected))))
+    actual = np.asarray(actual)
+    assert actual.dtype == np.dtype(dtype) and actual.shape == np.shape(expected), what
+    np.testing.assert_allclose(actual, expected, rtol=t["rtol"], atol=atol, err_msg=what)
+
+
+class _TorchLM(torch.nn.Module):
+    """Decoder-only LM: token embedding + learned positions, pre-norm causal layers,
+    final LayerNorm, logits with the tied embedding."""
+
+    def __init__(self, v, d, n, f, num_layers, max_len, tdt):
+        super().__init__()
+        torch.manual_seed(1)
+        self.embed = torch.nn.Embedding(v, d, dtype=tdt)
+        self.pos = torch.nn.Parameter(0.1 * torch.randn(max_len, d, dtype=tdt))
+        self.layers = torch.nn.ModuleList(
+            [_torch_layer(d, n, f, tdt, seed=10 + i) for i in range(num_layers)]
+        )
+        self.norm = torch.nn.LayerNorm(d, dtype=tdt)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        h = self.embed(tokens) + self.pos[:t]
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+        for layer in self.layers:
+            h = layer(h, src_mask=causal)
+        return self.norm(h) @ self.embed.weight.T
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_language_model_matches_torch_and_kv_cache_decoding(dtype):
+    """bx.TransformerLM (learned positions, tied embeddings, 2 layers) vs _TorchLM: logits
+    and d/d every weight; then token-by-token decoding with the KV cache reproduces the
+    torch logits at every position (float32)."""
+    tdt = TORCH_DTYPES[dtype]
+    v, d, n, f, num_layers, max_len = 11, 8, 2, 16, 2, 8
+    b, t = 2, 6
+    ref = _TorchLM(v, d, n, f, num_layers, max_len, tdt)
+    rs = np.random.default_rng(4)
+    tokens = rs.integers(0, v, size=(b, t))
+    r = rs.standard_normal((b, t, v)).astype(dtype)
+    logits_t = ref(torch.tensor(tokens))
+    (logits_t * torch.tensor(r)).sum().backward()
+
+    root = ("lm", "model")
+    weights = {
+        (*root, "embed", "embedding"): _np(ref.embed.weight),
+        (*root, "pos", "embedding"): _np(ref.pos),
+        (*root, "final_norm", "scale"): _np(ref.norm.weight),
+        (*root, "final_norm", "bias"): _np(ref.norm.bias),
+    }
+    want = {
+        (*root, "embed", "embedding"): _np(ref.embed.weight.grad),
+        (*root, "pos", "embedding"): _np(ref.pos.grad),
+        (*root, "final_norm", "scale"): _np(ref.norm.weight.grad),
+        (*root, "final_norm", "bias"): _np(ref.norm.bias.grad),
+    }
+    for i, layer in enumerate(ref.layers):
+        weights |= _layer_weights((*root, f"block_{i}"), layer)
+        want |= _layer_grads((*root, f"block_{i}"), layer)
+
+    with _precision(dtype):
+        g = bx.Graph("lm")
+        rng = bx.Rng(g / "rng")
+        lm = bx.TransformerLM(
+            g / "model",
+            v,
+            d,
+            num_layers,
+            n,
+            rng,
+            max_length=max_len,
+            position="learned",
+            mlp_size=f,
+            param_dtype=dtype,
+        )
+        _, params = lm(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2), jnp.int32))
+        params = _load(params, weights)
+        forward = jax.jit(lambda p, tok: lm(p, tok, is_training=False)[0])
+        _assert_close(forward(params, jnp.asarray(tokens)), _np(logits_t), dtype, "LM logits")
+
+        def loss(params):
+            return jnp.sum(lm(params, jnp.asarray(tokens), is_training=False)[0] * jnp.asarray(r))
+
+        (g_params,) = _grads(loss, params)
+        assert set(g_params.keys()) == set(want)
+        for path, value in want.items():
+            _assert_grad_close(g_params[path].value, value, dtype, "d/d " + "/".join(path[2:]))
+        if dtype == "float64":
+            return
+        # KV-cache decoding, one token per jitted call.
+        cache = lm.init_cache(params, b, max_len, dtype=dtype)
+        step = jax.jit(lambda p, tok: lm(p, tok, decode=True, is_training=False))
+        outs = []
+        for i in range(t):
+            out, cache = step(cache, jnp.asarray(tokens[:, i : i + 1]))
+            outs.append(out)
+        _assert_close(jnp.concatenate(outs, 1), _np(logits_t), dtype, "decoded logits")
+        assert int(lm.cache_index(cache)) == t
+
+
+def test_rope_rms_gqa_lm_decoding_equals_full_pass():
+    """position='rope', RMSNorm, grouped-query heads, untied head: cached decoding equals the
+    full causal pass (the training side is exercised by examples/char_lm.py's smoke test)."""
+    g = bx.Graph("lm")
+    rng = bx.Rng(g / "rng")
+    lm = bx.TransformerLM(
+        g / "model",
+        13,
+        16,
+        1,
+        4,
+        rng,
+        num_kv_heads=2,
+        norm="rms",
+        tie_embeddings=False,
+        dropout_rate=0.1,
+    )
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 13)
+    _, params = lm(rng.seed(bx.Params(), seed=0), tokens, is_training=False)
+    params = params.locked()
+    assert ("lm", "model", "head", "kernel") in params
+    full = jax.jit(lambda p, tok: lm(p, tok, is_training=False)[0])(params, tokens)
+    cache = lm.init_cache(params, 2, 12)
+    step = jax.jit(lambda p, tok: lm(p, tok, decode=True, is_training=False))
+    outs = []
+    for i in range(9):
+        out, cache = step(cache, tokens[:, i : i + 1])
+        outs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
+
+
+def test_block_and_lm_bf16_params_compute_in_bf16():
+    g = bx.Graph("lm")
+    rng = bx.Rng(g / "rng")
+    lm = bx.TransformerLM(g / "model", 13, 16, 1, 2, rng)
+    tokens = jnp.array([[1, 2, 3, 4]])
+    ref, params = lm(rng.seed(bx.Params(), seed=0), tokens, is_training=False)
+    half = jax.tree.map(lambda v: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v, params)
+    y, _ = lm(half, tokens, is_training=False)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), ref, **tol(jnp.bfloat16))
+
+
+def test_transformer_errors():
+    g = bx.Graph("lm")
+    rng = bx.Rng(g / "rng")
+    with pytest.raises(ValueError, match=r"'lm/b/attn': num_heads = 3 does not divide model_size"):
+        bx.TransformerBlock(g / "b", 8, 3, rng)
+    with pytest.raises(ValueError, match=r"'lm/c/norm1': norm must be 'layer'"):
+        bx.TransformerBlock(g / "c", 8, 2, rng, norm="batch")
+    with pytest.raises(ValueError, match=r"position='learned' needs max_length"):
+        bx.TransformerLM(g / "d", 10, 8, 1, 2, rng, position="learned")
+    lm = bx.TransformerLM(g / "lm", 10, 8, 1, 2, rng, position="learned", max_length=4)
+    params = rng.seed(bx.Params(), seed=0)
+    with pytest.raises(ValueError, match=r"TransformerLM 'lm/lm' expects integer tokens of shape"):
+        lm(params, jnp.ones((3,), jnp.int32))
+    with pytest.raises(ValueError, match=r"input has T = 5 positions"):
+        lm(params, jnp.ones((1, 5), jnp.int32))
+    with pytest.raises(ValueError, match=r"max_length 6 exceeds the 4 learned positions"):
+        lm.init_cache(params, 1, 6)
+    _, params = lm(params, jnp.ones((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match=r"'lm/lm/block_0/attn': KV cache overflow"):
+        cache = lm.init_cache(params, 1, 3)
+        lm(cache, jnp.ones((1, 4), jnp.int32), decode=True)
+
+
+def test_transformer_benchmark_quick_smoke(tmp_path):
+    """benchmarks/transformer_speed.py --quick runs (same-math checks included) and writes
+    only its own section."""
+    out = tmp_path / "benchmarks.md"
+    out.write_text("# Benchmarks\n\nKept text.\n")
+    script = os.path.join(REPO, "benchmarks", "transformer_speed.py")
+    res = subprocess.run(
+        [sys.executable, script, "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\nKept text.\n")
+    for needle in [
+        "<!-- bench:transformer_speed:begin -->",
+        "<!-- bench:transformer_speed:end -->",
+        "LM train step",
+        "KV-cache decode",
+        "Optimised-HLO FLOPs",
+        "transpose ops in the optimised HLO of the step",
+    ]:
+        assert needle in text, needle
