@@ -173,12 +173,22 @@ def per_call_us(fn: Callable[[], Any], number: int, repeat: int) -> float:
     return best * 1e6
 
 
-def flops(jitted: Any, *args: Any) -> float:
-    """FLOPs of the optimised HLO, from XLA's cost analysis."""
-    cost = jitted.lower(*args).compile().cost_analysis()
+def compiled_flops(compiled: Any) -> float:
+    """FLOPs of a compiled executable's optimised HLO, from XLA's cost analysis."""
+    cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
     return float(cost.get("flops", float("nan"))) if cost else float("nan")
+
+
+def flops(jitted: Any, *args: Any) -> float:
+    """FLOPs of the optimised HLO of ``jitted`` at ``args``."""
+    return compiled_flops(jitted.lower(*args).compile())
+
+
+def count_transposes(compiled: Any) -> int:
+    """The number of ``transpose`` instructions in a compiled executable's optimised HLO."""
+    return len(re.findall(r"=\s*\S+\s+transpose\(", compiled.as_text()))
 
 
 # ---------------------------------------------------------------------------

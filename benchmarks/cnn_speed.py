@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import sys
 import time
 
@@ -111,11 +110,7 @@ def raw_step(tx: optax.GradientTransformation):
 def analyse(compiled) -> tuple[float, int]:
     """Optimised-HLO FLOPs (as ``_timing.flops``) and ``transpose`` instructions of a
     compiled step."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
-    return flops, len(re.findall(r"=\s*\S+\s+transpose\(", compiled.as_text()))
+    return _timing.compiled_flops(compiled), _timing.count_transposes(compiled)
 
 
 def build(batch_size: int, donate: bool):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import sys
 import time
 
@@ -82,11 +81,7 @@ def raw_step(tx: optax.GradientTransformation):
 def hlo_stats(jitted, *args) -> tuple[float, int]:
     """FLOPs (XLA cost analysis) and ``transpose`` instructions of the optimised HLO."""
     compiled = jitted.lower(*args).compile()
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
-    return flops, len(re.findall(r"=\s*\S+\s+transpose\(", compiled.as_text()))
+    return _timing.compiled_flops(compiled), _timing.count_transposes(compiled)
 
 
 def build_lstm(quick: bool) -> tuple[list[Contender], list[Pair], list[str], list[list[str]]]:

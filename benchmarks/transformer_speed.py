@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import statistics
 import sys
 import time
@@ -110,19 +109,6 @@ def xent(logits: jax.Array, targets: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------
 
 
-def compiled_flops(compiled) -> float:
-    """FLOPs of a compiled executable's optimised HLO (as `_timing.flops`)."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    return float(cost.get("flops", float("nan"))) if cost else float("nan")
-
-
-def count_transposes(compiled) -> int:
-    """The number of ``transpose`` instructions in a compiled executable's optimised HLO."""
-    return len(re.findall(r"= \S+ transpose\(", compiled.as_text()))
-
-
 def build_lm(cfg: Cfg, max_length: int):
     g = bx.Graph("lm")
     rng = bx.Rng(g / "rng")
@@ -201,8 +187,8 @@ def train_workload(cfg: Cfg, log) -> tuple[list[Contender], list[Pair], list[str
         f"max |weight diff| after one Adam step {w_diff:.1e}; {len(raw)} trainable leaves "
         f"(blox params also hold the Rng seed and counter)"
     ]
-    flops = [("LM train step", compiled_flops(b_jit), compiled_flops(r_jit))]
-    nb, nr = count_transposes(b_jit), count_transposes(r_jit)
+    flops = [("LM train step", _timing.compiled_flops(b_jit), _timing.compiled_flops(r_jit))]
+    nb, nr = _timing.count_transposes(b_jit), _timing.count_transposes(r_jit)
     checks.append(
         f"transpose ops in the optimised HLO of the step: blox {nb}, raw {nr}"
         + (" (equal)" if nb == nr else " (DIFFERENT)")
