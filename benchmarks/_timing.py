@@ -3,15 +3,21 @@
 Plain JAX/NumPy only (no blox import), so a peer script running in another
 virtual environment (e.g. one with jax-blox installed) can reuse it.
 
-Method: every round times every contender, in an order rotated by one position
+Method: every round times every contender, its start order rotated by one position
 per round: ``warmup`` untimed calls each, then ``steps`` timed calls each, either
-interleaved one call at a time (A B C A B C ..., the default: bursts of load from
-other processes hit every contender alike) or as one block per contender. Each call
-is timed alone and synchronised with ``block_until_ready`` on the value the
-contender returns. A round summarises a contender by the median and the
-min of its per-call times. Comparisons are *same-round* ratios (contender A's
-per-call time over contender B's in the same round), so slow drifts of a shared,
-noisy machine cancel; the report gives the median over rounds of those ratios.
+interleaved one call at a time (the default: bursts of load from other processes hit
+every contender alike) or as one block per contender. Interleaved, every cycle of one
+call per contender runs in a fresh random order (seeded, so runs are repeatable): a
+fixed cyclic order A B C A B C ... would give each contender the same predecessor in
+every cycle, and the predecessor matters. A donated step that always runs right after
+a non-donated one (which just allocated and freed its output buffers) was measured 5 %
+slower than the same step after a donated one; a rotation of the start order keeps
+cyclic neighbours, so it does not remove that bias. Each call is timed alone and
+synchronised with ``block_until_ready`` on the value the contender returns. A round
+summarises a contender by the median and the min of its per-call times. Comparisons
+are *same-round* ratios (contender A's per-call time over contender B's in the same
+round), so slow drifts of a shared, noisy machine cancel; the report gives the median
+over rounds of those ratios.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -41,6 +48,7 @@ __all__ = [
     "flops",
     "format_table",
     "per_call_us",
+    "run_header",
     "run_rounds",
     "write_section",
 ]
@@ -102,18 +110,28 @@ def time_contender(c: Contender, steps: int, warmup: int) -> RoundStats:
     return RoundStats(statistics.median(times), min(times))
 
 
-def time_interleaved(order: Sequence[Contender], steps: int, warmup: int) -> dict[str, RoundStats]:
-    """Times `steps` calls of each contender, one call of each in turn (A B C A B C ...)."""
+def time_interleaved(
+    order: Sequence[Contender], steps: int, warmup: int, seed: int = 0
+) -> dict[str, RoundStats]:
+    """Times `steps` calls of each contender, one call of each per cycle.
+
+    Each cycle runs the contenders in a fresh random order (``random.Random(seed)``),
+    so that no contender always follows the same other one.
+    """
     for c in order:
         for _ in range(warmup):
             jax.block_until_ready(c.call())
+    shuffle = random.Random(seed).shuffle
+    slots = list(range(len(order)))
     times: list[list[float]] = [[] for _ in order]
     perf = time.perf_counter
     for _ in range(steps):
-        for c, ts in zip(order, times, strict=True):
+        shuffle(slots)
+        for i in slots:
+            call = order[i].call
             t0 = perf()
-            jax.block_until_ready(c.call())
-            ts.append(perf() - t0)
+            jax.block_until_ready(call())
+            times[i].append(perf() - t0)
     return {
         c.name: RoundStats(statistics.median(ts), min(ts))
         for c, ts in zip(order, times, strict=True)
@@ -127,18 +145,19 @@ def run_rounds(
     warmup: int,
     interleave: bool = True,
 ) -> list[dict[str, RoundStats]]:
-    """Times all contenders in each round, rotating their order by one per round.
+    """Times all contenders in each round, rotating their start order by one per round.
 
-    With `interleave` (default) a round alternates single calls of the contenders, so
-    a burst of load from other processes hits all of them alike; without it each
-    contender runs its `steps` calls as one block.
+    With `interleave` (default) a round alternates single calls of the contenders, in a
+    fresh random order every cycle (seeded by the round number), so a burst of load
+    from other processes hits all of them alike and no contender always runs after the
+    same other one; without it each contender runs its `steps` calls as one block.
     """
     out = []
     n = len(contenders)
     for r in range(rounds):
         order = [contenders[(i + r) % n] for i in range(n)]
         if interleave:
-            out.append(time_interleaved(order, steps, warmup))
+            out.append(time_interleaved(order, steps, warmup, seed=r))
         else:
             out.append({c.name: time_contender(c, steps, warmup) for c in order})
     return out
@@ -228,7 +247,32 @@ def environment() -> dict[str, str]:
         "optax": _version("optax"),
         "numpy": _version("numpy"),
         "git": _git_rev(),
+        "load": _load_average(),
     }
+
+
+def _load_average() -> str:
+    try:
+        return "/".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def run_header(env: dict[str, str], started: datetime.datetime, command: str) -> list[str]:
+    """The Date / Machine / Versions / Command bullets that open every report section.
+
+    The load average (1, 5, 15 min) is the one `environment()` read before timing; on
+    a shared machine it says whether other jobs were running.
+    """
+    return [
+        f"- Date: {started:%Y-%m-%d %H:%M} UTC",
+        f"- Machine: `nproc` = {env['nproc']}, {env['cpu']}, JAX backend {env['backend']}; "
+        f"load average before the run {env['load']} (1/5/15 min). The machine is shared: "
+        "absolute times drift with other jobs, so only same-round ratios are compared.",
+        f"- Versions: Python {env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}, "
+        f"optax {env['optax']}, numpy {env['numpy']}; blox at git {env['git']}",
+        f"- Command: `{command}`",
+    ]
 
 
 def _git_rev() -> str:

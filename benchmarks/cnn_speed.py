@@ -11,8 +11,8 @@ math on a ``{str: array}`` dict with ``lax.conv_general_dilated`` (NHWC / HWIO, 
 ``lax.reduce_window`` (max, ``-inf`` init) and ``jnp.dot``. Before timing the script
 asserts equal first losses and equal weights after one Adam step, and it reports the
 optimised-HLO FLOPs and the number of ``transpose`` instructions of both compiled steps
-(the default channels-last layout must add none). Timing is same-round, interleaved, with
-rotated order (see ``_timing.py``); the target is on the ratio of per-round minima.
+(the default channels-last layout must add none). Timing is same-round, interleaved, in a
+random order per cycle (see ``_timing.py``); the target is on the ratio of per-round minima.
 """
 
 from __future__ import annotations
@@ -258,19 +258,14 @@ def render(env, command, started, rounds, steps, warmup, batch, quick, pairs, ch
     lines = [
         "## CNN train step: blox vs raw JAX",
         "",
-        f"- Date: {started:%Y-%m-%d %H:%M} UTC",
-        f"- Machine: `nproc` = {env['nproc']}, {env['cpu']}, JAX backend {env['backend']}. "
-        "Shared machine: only same-round ratios are compared.",
-        f"- Versions: Python {env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}, "
-        f"optax {env['optax']}, numpy {env['numpy']}; blox at git {env['git']}",
-        f"- Command: `{command}`",
+        *_timing.run_header(env, started, command),
         f"- Workload: batch {batch} of 28x28x1, conv 3x3 -> 32, ReLU, 2x2 max-pool, conv 3x3 "
         "-> 64, ReLU, 2x2 max-pool, dense -> 10, softmax cross-entropy, Adam (1e-3); float32, "
         "channels-last. blox: `bx.Conv`, `bx.max_pool`, `bx.Linear` in a `bx.Module`, the "
         "split/grad/merge step; raw: `lax.conv_general_dilated` (NHWC/HWIO, 'SAME'), "
         "`lax.reduce_window` (max), `jnp.dot` on a `{str: array}` dict.",
         f"- {rounds} rounds; per round and contender {warmup} warm-up calls, then {steps} "
-        "timed calls, interleaved, order rotated per round"
+        "timed calls, interleaved in a random order per cycle"
         + (". QUICK smoke run: batch and counts shrunk, numbers meaningless." if quick else "."),
         "",
         _timing.format_table(header, rows),

@@ -7,8 +7,9 @@ Run (``make bench``)::
 Every workload pits a blox version against a raw-JAX version with the same math
 (checked before timing: equal first losses, equal weights after one Adam step, equal
 optimised-HLO FLOPs reported). Timing is same-round: each round times every
-contender (order rotated per round), and the reported figure is the median over
-rounds of the per-round ratio of median per-call times; see `_timing.py`.
+contender (one call of each in turn, in a fresh random order per cycle), and the
+reported figure is the median over rounds of the per-round ratio of median per-call
+times; see `_timing.py`.
 
 Workloads live in a small registry (`WORKLOADS`); add one with the `workload`
 decorator. The builders themselves are in `_workloads.py` and take the library
@@ -265,27 +266,24 @@ def _micro_table(micros, lib: str, with_target: bool) -> str:
 
 def render(env, command, started, cfg: Config, out: Outcome, peer: dict | None) -> str:
     mode = (
-        "interleaved (one call of each contender in turn)"
+        "interleaved (one call of each contender per cycle, in a fresh seeded random order "
+        "every cycle)"
         if cfg.interleave
         else "blocked (each contender's calls in one block)"
     )
     lines = [
         "## Core overhead: blox vs raw JAX",
         "",
-        f"- Date: {started:%Y-%m-%d %H:%M} UTC",
-        f"- Machine: `nproc` = {env['nproc']}, {env['cpu']}, CPU only (JAX backend "
-        f"{env['backend']}). The machine is shared and noisy: other jobs (test suites) ran "
-        "on the same 2 cores during the run, so absolute times drift; only same-round "
-        "ratios are compared.",
-        f"- Versions: Python {env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}, "
-        f"optax {env['optax']}, numpy {env['numpy']}; blox at git {env['git']}",
-        f"- Command: `{command}`",
+        *_timing.run_header(env, started, command),
         f"- {cfg.rounds} rounds; per round and contender {cfg.warmup} warm-up calls, then "
         f"{cfg.steps} timed calls, {mode}"
         + (". QUICK smoke run: sizes shrunk, numbers meaningless." if cfg.quick else "."),
         "",
-        "Method: in each round every contender is timed, in an order rotated by one per "
-        "round. Each call is timed alone and waits (`block_until_ready`) for its output "
+        "Method: in each round every contender is timed. Interleaved, each cycle runs one "
+        "call of every contender in a fresh random order, so that no contender always runs "
+        "after the same other one (a fixed order made a donated step that always followed "
+        "a non-donated one read 5 % slow). Each call is timed alone and waits "
+        "(`block_until_ready`) for its output "
         "(the loss for train steps, one leaf for the round trip). A round's figure per "
         "contender is its median (and min) per-call time; the *ratio* is the median over "
         "rounds of the same-round ratio blox / reference, the *min-based ratio* the median "

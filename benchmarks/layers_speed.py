@@ -172,12 +172,7 @@ def render(env, command, started, rounds, steps, warmup, quick, pairs, checks, h
     lines = [
         "## Layers: recurrent train step, blox vs raw JAX",
         "",
-        f"- Date: {started:%Y-%m-%d %H:%M} UTC",
-        f"- Machine: `nproc` = {env['nproc']}, {env['cpu']}, CPU only (JAX backend "
-        f"{env['backend']}); shared and noisy, so only same-round ratios are compared.",
-        f"- Versions: Python {env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}, "
-        f"optax {env['optax']}, numpy {env['numpy']}; blox at git {env['git']}",
-        f"- Command: `{command}`",
+        *_timing.run_header(env, started, command),
         f"- {rounds} rounds; per round and contender {warmup} warm-up calls, then {steps} "
         "timed calls, interleaved"
         + (". QUICK smoke run: sizes shrunk, numbers meaningless." if quick else "."),

@@ -110,7 +110,11 @@ def build(cfg: Config):
         _workloads.stepper("(a) hand", hand, *b_state(), x, y),
         _workloads.stepper("(b) helper", lambda *a: _unpack(helper(*a)), *b_state(), x, y),
         _multi_contender(multi, b_state(), xs, ys),
-        _raw_k_contender(raw_step, r_state(), x, y),
+        # Its own jit object: sharing `raw_step`'s executable would keep that code and
+        # its buffers hot for "raw" (11 runs per cycle against 1 for each blox step).
+        _raw_k_contender(
+            jax.jit(_raw.train_step(NAMES, tx), donate_argnums=(0, 1)), r_state(), x, y
+        ),
         _workloads.stepper("raw, not donated", raw_nd, *r_state(), x, y),
         _workloads.stepper("(a) hand, not donated", hand_nd, *b_state(), x, y),
         _workloads.stepper(
@@ -182,12 +186,7 @@ def render(env, command, started, cfg: Config, pairs, checks) -> str:
     lines = [
         "## Train step helpers: blox.train vs raw JAX",
         "",
-        f"- Date: {started:%Y-%m-%d %H:%M} UTC",
-        f"- Machine: `nproc` = {env['nproc']}, {env['cpu']}, JAX backend {env['backend']}. "
-        "Shared machine: only same-round ratios are compared.",
-        f"- Versions: Python {env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}, "
-        f"optax {env['optax']}, numpy {env['numpy']}; blox at git {env['git']}",
-        f"- Command: `{command}`",
+        *_timing.run_header(env, started, command),
         f"- {cfg.rounds} rounds; per round and contender {cfg.warmup} warm-up calls, then "
         f"{cfg.steps} timed calls, interleaved"
         + (". QUICK smoke run: numbers meaningless." if cfg.quick else "."),

@@ -322,12 +322,7 @@ def render(env, command, started, cfg, pairs, checks, flops, dec_results, fills,
     lines = [
         "## Transformer: LM train step vs raw JAX, KV-cache decoding",
         "",
-        f"- Date: {started:%Y-%m-%d %H:%M} UTC",
-        f"- Machine: `nproc` = {env['nproc']}, {env['cpu']}, CPU only ({env['backend']}); "
-        "shared and noisy, so only same-round ratios are compared.",
-        f"- Versions: Python {env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}, "
-        f"optax {env['optax']}; blox at git {env['git']}",
-        f"- Command: `{command}`",
+        *_timing.run_header(env, started, command),
         f"- Model: vocab {cfg.vocab}, width {cfg.d}, {cfg.layers} pre-norm blocks, "
         f"{cfg.heads} heads, MLP {cfg.mlp}, learned positions, tied output; batch "
         f"{cfg.batch} x {cfg.seq} tokens, next-token cross-entropy, Adam. {cfg.rounds} rounds "
