@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blox.core import Graph, Module, Params, Rng
+from blox.core import Graph, Params, Rng
 from blox.nn._linear import compute_dtype
+from blox.nn._norm import AffineNorm
 
 __all__ = ["BatchNorm", "GroupNorm"]
 
@@ -43,7 +44,7 @@ def _bcast_shape(ndim: int, axis: int, size: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-class BatchNorm(Module):
+class BatchNorm(AffineNorm):
     """Batch normalization with running statistics kept as non-trainable parameters.
 
     In training mode (``is_training=True``) the input is normalized with the mean and
@@ -112,6 +113,8 @@ class BatchNorm(Module):
     >>> y_eval, _ = bn(params, x, is_training=False)      # uses the running statistics
     """
 
+    kind = "BatchNorm"
+
     def __init__(
         self,
         graph: Graph,
@@ -136,29 +139,22 @@ class BatchNorm(Module):
                 "It is the fraction of the running statistics kept per step (PyTorch's "
                 "momentum=0.1 is momentum=0.9 here)."
             )
-        if not float(epsilon) > 0.0:
-            raise ValueError(f"BatchNorm '{self.path_str}': epsilon must be > 0, got {epsilon}.")
+        self._set_affine(
+            epsilon, use_scale, use_bias, scale_init, bias_init, rng, dtype, param_dtype
+        )
         if axis_index_groups is not None and axis_name is None:
             raise ValueError(
                 f"BatchNorm '{self.path_str}': axis_index_groups needs an axis_name; pass "
                 "axis_name='<mesh axis>' too, or drop axis_index_groups."
             )
         self.momentum = float(momentum)
-        self.epsilon = float(epsilon)
-        self.use_scale = use_scale
-        self.use_bias = use_bias
-        self.scale_init = scale_init
-        self.bias_init = bias_init
         self.axis_name = axis_name
         self.axis_index_groups = (
             None
             if axis_index_groups is None
             else tuple(tuple(int(i) for i in grp) for grp in axis_index_groups)
         )
-        self.rng = rng
         self.channels_first = channels_first
-        self.dtype = dtype
-        self.param_dtype = param_dtype
 
     # -- statistics over devices ---------------------------------------------------
 
@@ -209,16 +205,8 @@ class BatchNorm(Module):
         c = x.shape[ax]
         reduce_axes = tuple(i for i in range(x.ndim) if i != ax)
         bshape = _bcast_shape(x.ndim, ax, c)
+        scale, bias, params = self._scale_bias(params, c)
         pd = self.param_dtype
-        scale = bias = None
-        if self.use_scale:
-            scale, params = self.get_param(
-                params, "scale", (c,), self.scale_init, dtype=pd, rng=self.rng
-            )
-        if self.use_bias:
-            bias, params = self.get_param(
-                params, "bias", (c,), self.bias_init, dtype=pd, rng=self.rng
-            )
         r_mean, params = self.get_param(
             params, "running_mean", (c,), _zeros, dtype=pd, trainable=False, rng=self.rng
         )
@@ -270,7 +258,7 @@ class BatchNorm(Module):
         return y, params
 
 
-class GroupNorm(Module):
+class GroupNorm(AffineNorm):
     """Group normalization: per example, the channels are split into ``num_groups``
     groups and each group is normalized over its channels and all spatial positions
     (mean and biased variance), then a per-channel scale and bias are applied. Matches
@@ -306,6 +294,8 @@ class GroupNorm(Module):
     ((3, 8, 8, 4), (4,))
     """
 
+    kind = "GroupNorm"
+
     def __init__(
         self,
         graph: Graph,
@@ -327,18 +317,11 @@ class GroupNorm(Module):
                 f"GroupNorm '{self.path_str}': num_groups must be a positive int, got "
                 f"{num_groups!r}. It must also divide the number of channels."
             )
-        if not float(epsilon) > 0.0:
-            raise ValueError(f"GroupNorm '{self.path_str}': epsilon must be > 0, got {epsilon}.")
+        self._set_affine(
+            epsilon, use_scale, use_bias, scale_init, bias_init, rng, dtype, param_dtype
+        )
         self.num_groups = num_groups
-        self.epsilon = float(epsilon)
-        self.use_scale = use_scale
-        self.use_bias = use_bias
-        self.scale_init = scale_init
-        self.bias_init = bias_init
-        self.rng = rng
         self.channels_first = channels_first
-        self.dtype = dtype
-        self.param_dtype = param_dtype
 
     def __call__(self, params: Params, x: jax.Array) -> tuple[jax.Array, Params]:
         """Normalizes `x`; returns ``(y, params)``."""
@@ -353,16 +336,7 @@ class GroupNorm(Module):
                 f"num_groups that divides {c}: one of {divisors}."
             )
         bshape = _bcast_shape(x.ndim, ax, c)
-        pd = self.param_dtype
-        scale = bias = None
-        if self.use_scale:
-            scale, params = self.get_param(
-                params, "scale", (c,), self.scale_init, dtype=pd, rng=self.rng
-            )
-        if self.use_bias:
-            bias, params = self.get_param(
-                params, "bias", (c,), self.bias_init, dtype=pd, rng=self.rng
-            )
+        scale, bias, params = self._scale_bias(params, c)
         stored = scale if scale is not None else bias
         if stored is not None:
             cd = compute_dtype(x, stored.dtype, self.dtype)

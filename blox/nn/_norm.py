@@ -29,10 +29,58 @@ def _mean(x: jax.Array, axis_name: Any, groups: Sequence[Sequence[int]] | None) 
     return m
 
 
-class _NormBase(Module):
-    """Shared checks and parameter access of the two norms."""
+class AffineNorm(Module):
+    """What the normalization layers share: the ``epsilon`` check, the settings of the
+    optional per-feature ``scale`` and ``bias``, and their creation.
+
+    Subclasses call `_set_affine` in ``__init__`` and `_scale_bias` in ``__call__``.
+    """
 
     kind = "Norm"
+    use_bias = False
+
+    def _set_affine(
+        self,
+        epsilon: float,
+        use_scale: bool,
+        use_bias: bool,
+        scale_init: Callable,
+        bias_init: Callable,
+        rng: Rng | None,
+        dtype: Any | None,
+        param_dtype: Any,
+    ) -> None:
+        if not float(epsilon) > 0.0:
+            raise ValueError(f"{self.kind} '{self.path_str}': epsilon must be > 0, got {epsilon}.")
+        self.epsilon = float(epsilon)
+        self.use_scale = use_scale
+        self.use_bias = use_bias
+        self.scale_init = scale_init
+        self.bias_init = bias_init
+        self.rng = rng
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+    def _scale_bias(
+        self, params: Params, n: int
+    ) -> tuple[jax.Array | None, jax.Array | None, Params]:
+        """``(scale, bias, params)``, each ``(n,)`` in ``param_dtype`` (created on first
+        use), or ``None`` where the layer has none."""
+        scale = bias = None
+        pd = self.param_dtype
+        if self.use_scale:
+            scale, params = self.get_param(
+                params, "scale", (n,), self.scale_init, dtype=pd, rng=self.rng
+            )
+        if self.use_bias:
+            bias, params = self.get_param(
+                params, "bias", (n,), self.bias_init, dtype=pd, rng=self.rng
+            )
+        return scale, bias, params
+
+
+class _NormBase(AffineNorm):
+    """Shared checks of the two feature-axis norms."""
 
     def _check_input(self, params: Params, x: jax.Array) -> int:
         if x.ndim == 0:
@@ -116,32 +164,17 @@ class LayerNorm(_NormBase):
         param_dtype: Any = jnp.float32,
     ):
         super().__init__(graph)
-        if not float(epsilon) > 0.0:
-            raise ValueError(f"LayerNorm '{self.path_str}': epsilon must be > 0, got {epsilon}.")
-        self.epsilon = float(epsilon)
-        self.use_scale = use_scale
-        self.use_bias = use_bias
-        self.scale_init = scale_init
-        self.bias_init = bias_init
+        self._set_affine(
+            epsilon, use_scale, use_bias, scale_init, bias_init, rng, dtype, param_dtype
+        )
         self.axis_name = axis_name
         self.axis_index_groups = axis_index_groups
-        self.rng = rng
-        self.dtype = dtype
-        self.param_dtype = param_dtype
 
     def __call__(self, params: Params, x: jax.Array) -> tuple[jax.Array, Params]:
         """Normalizes ``x`` ``(..., D)``; returns ``((..., D), params)``."""
         x = jnp.asarray(x)
         d = self._check_input(params, x)
-        scale = bias = None
-        if self.use_scale:
-            scale, params = self.get_param(
-                params, "scale", (d,), self.scale_init, dtype=self.param_dtype, rng=self.rng
-            )
-        if self.use_bias:
-            bias, params = self.get_param(
-                params, "bias", (d,), self.bias_init, dtype=self.param_dtype, rng=self.rng
-            )
+        scale, bias, params = self._scale_bias(params, d)
         out_dtype = self._out_dtype(x, scale if scale is not None else bias)
         sd = _stats_dtype(x.dtype, out_dtype)
         xs = x.astype(sd)
@@ -205,26 +238,15 @@ class RMSNorm(_NormBase):
         param_dtype: Any = jnp.float32,
     ):
         super().__init__(graph)
-        if not float(epsilon) > 0.0:
-            raise ValueError(f"RMSNorm '{self.path_str}': epsilon must be > 0, got {epsilon}.")
-        self.epsilon = float(epsilon)
-        self.use_scale = use_scale
-        self.scale_init = scale_init
+        self._set_affine(epsilon, use_scale, False, scale_init, _zeros, rng, dtype, param_dtype)
         self.axis_name = axis_name
         self.axis_index_groups = axis_index_groups
-        self.rng = rng
-        self.dtype = dtype
-        self.param_dtype = param_dtype
 
     def __call__(self, params: Params, x: jax.Array) -> tuple[jax.Array, Params]:
         """Normalizes ``x`` ``(..., D)``; returns ``((..., D), params)``."""
         x = jnp.asarray(x)
         d = self._check_input(params, x)
-        scale = None
-        if self.use_scale:
-            scale, params = self.get_param(
-                params, "scale", (d,), self.scale_init, dtype=self.param_dtype, rng=self.rng
-            )
+        scale, _, params = self._scale_bias(params, d)
         out_dtype = self._out_dtype(x, scale)
         sd = _stats_dtype(x.dtype, out_dtype)
         xs = x.astype(sd)

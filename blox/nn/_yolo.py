@@ -47,6 +47,25 @@ def _channel_axis(x: jax.Array, channels_first: bool) -> int:
     return 1 if channels_first else x.ndim - 1
 
 
+def _unit_kwargs(
+    activation: Activation,
+    bn_momentum: float,
+    bn_epsilon: float,
+    channels_first: bool,
+    dtype: Any | None,
+    param_dtype: Any,
+) -> dict[str, Any]:
+    """The settings a block passes on to each of its `ConvBNSiLU` units and sub-blocks."""
+    return dict(
+        activation=activation,
+        bn_momentum=bn_momentum,
+        bn_epsilon=bn_epsilon,
+        channels_first=channels_first,
+        dtype=dtype,
+        param_dtype=param_dtype,
+    )
+
+
 class ConvBNSiLU(Module):
     """Convolution without bias -> `BatchNorm` -> SiLU: the unit every YOLO block is
     built from (PyTorch: ``Conv2d(bias=False)``, ``BatchNorm2d``, ``SiLU``).
@@ -208,14 +227,7 @@ class Bottleneck(Module):
                 f"expansion={expansion} gives {hidden} hidden channels; use a larger "
                 "expansion or more channels."
             )
-        kw: dict[str, Any] = dict(
-            activation=activation,
-            bn_momentum=bn_momentum,
-            bn_epsilon=bn_epsilon,
-            channels_first=channels_first,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
+        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.output_channels = output_channels
         self.shortcut = shortcut
         self.channels_first = channels_first
@@ -298,14 +310,7 @@ class C2f(Module):
                 f"num_blocks >= 0, got output_channels={output_channels}, "
                 f"expansion={expansion}, num_blocks={num_blocks!r}."
             )
-        kw: dict[str, Any] = dict(
-            activation=activation,
-            bn_momentum=bn_momentum,
-            bn_epsilon=bn_epsilon,
-            channels_first=channels_first,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
+        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.hidden = c
         self.channels_first = channels_first
         self.cv1 = ConvBNSiLU(graph.child("cv1"), 1, 2 * c, rng, **kw)
@@ -394,14 +399,7 @@ class SPPF(Module):
                 f"SPPF '{self.path_str}': hidden_channels must be >= 1, got {hidden} "
                 f"(output_channels={output_channels}); pass hidden_channels=..."
             )
-        kw: dict[str, Any] = dict(
-            activation=activation,
-            bn_momentum=bn_momentum,
-            bn_epsilon=bn_epsilon,
-            channels_first=channels_first,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
+        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.kernel_size = kernel_size
         self.channels_first = channels_first
         self.cv1 = ConvBNSiLU(graph.child("cv1"), 1, hidden, rng, **kw)
@@ -470,14 +468,7 @@ class YOLONeck(Module):
                 f"YOLONeck '{self.path_str}': channels must be (c3, c4, c5), got {channels!r}."
             )
         c3, c4, c5 = channels
-        kw: dict[str, Any] = dict(
-            activation=activation,
-            bn_momentum=bn_momentum,
-            bn_epsilon=bn_epsilon,
-            channels_first=channels_first,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
+        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.channels = channels
         self.channels_first = channels_first
         self.top_p4 = C2f(graph.child("top_p4"), c4, rng, depth, **kw)
@@ -571,14 +562,7 @@ class YOLOBackbone(Module):
                 f"YOLOBackbone '{self.path_str}': widths needs 5 entries (stem and four "
                 f"stages) and depths 4, got widths={widths!r}, depths={depths!r}."
             )
-        kw: dict[str, Any] = dict(
-            activation=activation,
-            bn_momentum=bn_momentum,
-            bn_epsilon=bn_epsilon,
-            channels_first=channels_first,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
+        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.widths, self.depths = widths, depths
         self.channels_first = channels_first
         self.stem = ConvBNSiLU(graph.child("stem"), 3, widths[0], rng, strides=2, **kw)
@@ -657,14 +641,7 @@ class YOLOBackboneNeck(Module):
         param_dtype: Any = jnp.float32,
     ):
         super().__init__(graph)
-        kw: dict[str, Any] = dict(
-            activation=activation,
-            bn_momentum=bn_momentum,
-            bn_epsilon=bn_epsilon,
-            channels_first=channels_first,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
+        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.backbone = YOLOBackbone(
             graph.child("backbone"), rng, widths, depths, sppf_kernel, **kw
         )
