@@ -22,6 +22,7 @@ over rounds of those ratios.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -34,22 +35,30 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import jax
 
 __all__ = [
     "Contender",
+    "CountArgs",
+    "Counts",
     "Pair",
     "RoundStats",
     "compare",
+    "counts_bullet",
     "cpu_model",
     "environment",
     "flops",
     "format_table",
+    "log",
     "per_call_us",
+    "publish",
+    "ratio_row",
     "run_header",
     "run_rounds",
+    "same_math_section",
+    "start_run",
     "write_section",
 ]
 
@@ -275,22 +284,21 @@ def run_header(env: dict[str, str], started: datetime.datetime, command: str) ->
     ]
 
 
+def _git(*args: str) -> str:
+    """The stripped stdout of ``git ARGS`` run in this folder (raises if git fails)."""
+    return subprocess.run(
+        ["git", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    ).stdout.strip()
+
+
 def _git_rev() -> str:
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
+        rev = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
         return rev + (" (working tree modified)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -336,3 +344,137 @@ def command_line() -> str:
         exe = sys.executable
     script = os.path.relpath(sys.argv[0])
     return " ".join([exe, script, *sys.argv[1:]])
+
+
+# ---------------------------------------------------------------------------
+# Script scaffolding: command line, progress, report pieces
+# ---------------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    """Prints a progress line at once (stdout, flushed)."""
+    print(msg, flush=True)
+
+
+class Counts(NamedTuple):
+    """The resolved repetition counts of a run."""
+
+    rounds: int
+    steps: int
+    warmup: int
+
+
+@dataclass(frozen=True)
+class CountArgs:
+    """A script's ``--rounds/--steps/--warmup/--quick/--out`` options and their defaults.
+
+    A count left out (or given as 0) takes the script's default, or its ``quick_``
+    default under ``--quick``.
+    """
+
+    steps: int
+    warmup: int
+    quick_steps: int
+    quick_warmup: int
+    rounds: int = 10
+    quick_rounds: int = 2
+
+    def add_to(self, ap: argparse.ArgumentParser, quick_help: str) -> None:
+        """Adds the options to `ap`; `quick_help` says what ``--quick`` shrinks."""
+        ap.add_argument(
+            "--rounds",
+            type=int,
+            default=None,
+            help=f"rounds (default {self.rounds}; quick {self.quick_rounds})",
+        )
+        ap.add_argument(
+            "--steps", type=int, default=None, help=f"timed calls per round (default {self.steps})"
+        )
+        ap.add_argument(
+            "--warmup",
+            type=int,
+            default=None,
+            help=f"untimed calls per round (default {self.warmup})",
+        )
+        ap.add_argument("--quick", action="store_true", help=quick_help)
+        ap.add_argument("--out", default=None, help="markdown file whose section is (re)written")
+
+    def resolve(self, ap: argparse.ArgumentParser, args: argparse.Namespace) -> Counts:
+        """The counts `args` ask for; exits through `ap` if one is negative."""
+        q = args.quick
+        counts = Counts(
+            rounds=args.rounds or (self.quick_rounds if q else self.rounds),
+            steps=args.steps or (self.quick_steps if q else self.steps),
+            warmup=args.warmup or (self.quick_warmup if q else self.warmup),
+        )
+        if min(counts) < 1:
+            ap.error("--rounds, --steps and --warmup must be positive")
+        return counts
+
+
+def start_run(title: str) -> tuple[datetime.datetime, dict[str, str], str]:
+    """Start time (UTC), `environment()` and `command_line()`; logs ``TITLE: COMMAND``."""
+    started = datetime.datetime.now(datetime.UTC)
+    env = environment()
+    command = command_line()
+    log(f"{title}: {command}")
+    return started, env, command
+
+
+def publish(report: str, out: str | None, section: str) -> None:
+    """Logs `report` and, if `out` is given, writes it as `section` of that file."""
+    log("\n" + report)
+    if out:
+        write_section(out, section, report, "Benchmarks")
+        log(f"wrote {out}")
+
+
+def counts_bullet(rounds: int, steps: int, warmup: int, mode: str, quick: str | None) -> str:
+    """The ``- N rounds; per round and contender ...`` bullet of a report.
+
+    `mode`: how the timed calls run (e.g. "interleaved"); `quick`: what a ``--quick``
+    run shrank, ending in "numbers meaningless" (None: not a quick run).
+    """
+    return (
+        f"- {rounds} rounds; per round and contender {warmup} warm-up calls, "
+        f"then {steps} timed calls, {mode}" + (f". QUICK smoke run: {quick}." if quick else ".")
+    )
+
+
+def ratio_row(
+    pair: Pair,
+    primary: Literal["median", "min"] = "median",
+    us_digits: int = 1,
+    target_suffix: str = "",
+    with_target: bool = True,
+) -> list[str]:
+    """A ratio-table row of a compared `pair`.
+
+    Columns: name, both sides' us/call (`us_digits` decimals), the `primary` ratio in
+    bold (median of per-round median ratios, or of per-round min ratios), the other
+    one, the per-round range (of median ratios), and with `with_target` the target
+    (``<= T.TTx`` + `target_suffix`, or "(diagnostic)") and the verdict on the
+    primary ratio ("info" without a target).
+    """
+    ratios = (pair.median_ratio, pair.min_ratio)
+    first, second = ratios if primary == "median" else ratios[::-1]
+    row = [
+        pair.name,
+        f"{pair.num_us:.{us_digits}f}",
+        f"{pair.den_us:.{us_digits}f}",
+        f"**{first:.3f}x**",
+        f"{second:.3f}x",
+        f"{min(pair.round_ratios):.3f} - {max(pair.round_ratios):.3f}",
+    ]
+    if with_target:
+        if pair.target is None:
+            row += ["(diagnostic)", "info"]
+        else:
+            verdict = "PASS" if first <= pair.target else "FAIL"
+            row += [f"<= {pair.target:.2f}x{target_suffix}", verdict]
+    return row
+
+
+def same_math_section(checks: Sequence[str]) -> list[str]:
+    """The ``### Same-math checks`` heading and one bullet per check, as report lines."""
+    return ["### Same-math checks", "", *[f"- {c}" for c in checks], ""]

@@ -9,7 +9,7 @@ blox and ``jax_blox_peer.py`` (another venv) passes jax-blox, with identical cod
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -25,8 +25,13 @@ from _timing import Contender, Pair
 __all__ = [
     "Built",
     "Config",
+    "assert_same_step",
+    "build_deep",
+    "build_mlp",
     "build_roundtrip",
     "build_train",
+    "fresh_states",
+    "raw_dict",
     "split_merge_step",
     "stack_class",
 ]
@@ -104,6 +109,54 @@ def stepper(name: str, step: Callable, params: Any, opt_state: Any, x, y, extra=
     return Contender(name, call)
 
 
+def raw_dict(params: Any, paths: Mapping[str, tuple[str, ...]]) -> dict[str, jax.Array]:
+    """Copies of the library `params` values at ``paths[k]``, as a raw dict keyed ``k``."""
+    return {k: jnp.array(params[path].value, copy=True) for k, path in paths.items()}
+
+
+def fresh_states(
+    tx: optax.GradientTransformation, params: Any, raw: dict[str, jax.Array]
+) -> tuple[Callable[..., tuple[Any, Any]], Callable[[], tuple[Any, Any]]]:
+    """``(b_state, r_state)``: each call gives a fresh ``(params, opt_state)``.
+
+    ``b_state(p=params)`` copies the library params `p` (``tx`` state of their trainable
+    half), ``r_state()`` the `raw` dict; fresh buffers, so one copy can be donated.
+    """
+
+    def b_state(p: Any = params) -> tuple[Any, Any]:
+        p = _raw.copy_tree(p)
+        return p, tx.init(p.split()[0])
+
+    def r_state() -> tuple[Any, Any]:
+        p = _raw.copy_tree(raw)
+        return p, tx.init(p)
+
+    return b_state, r_state
+
+
+def assert_same_step(
+    b_step: Callable,
+    r_step: Callable,
+    b_state: Callable[[], tuple[Any, Any]],
+    r_state: Callable[[], tuple[Any, Any]],
+    x: Any,
+    y: Any,
+    paths: Mapping[str, tuple[str, ...]],
+) -> tuple[float, float, float]:
+    """Runs one step of each side from fresh states; asserts the same math (to 1e-6).
+
+    Equal first losses, and equal weights after the step: raw key ``k`` against the
+    library params at ``paths[k]``. Returns (library loss, raw loss, max |weight diff|).
+    """
+    bp, _, b_loss = b_step(*b_state(), x, y)
+    rp, _, r_loss = r_step(*r_state(), x, y)
+    b_loss, r_loss = float(b_loss), float(r_loss)
+    np.testing.assert_allclose(b_loss, r_loss, rtol=1e-6, atol=1e-6)
+    w_diff = max(float(jnp.max(jnp.abs(bp[path].value - rp[k]))) for k, path in paths.items())
+    assert w_diff <= 1e-6, w_diff
+    return b_loss, r_loss, w_diff
+
+
 def stack_class(bx: ModuleType) -> type:
     """A ``bx.Module`` of ``bx.Linear`` children ``linear_<i>`` with ReLU between them."""
 
@@ -157,11 +210,8 @@ def build_train(
     b_step = split_merge_step(model, tx)
 
     # Raw: the same initial values in a {str: array} dict.
-    raw = {
-        f"{n}/{w}": jnp.array(params[(*model_path, n, w)].value, copy=True)
-        for n in names
-        for w in ("kernel", "bias")
-    }
+    paths = {f"{n}/{w}": (*model_path, n, w) for n in names for w in ("kernel", "bias")}
+    raw = raw_dict(params, paths)
     r_step = _raw.train_step(names, tx)
     n_train = len(params.split()[0])
     assert n_train == len(raw), (n_train, len(raw))
@@ -170,23 +220,10 @@ def build_train(
     b_don = jax.jit(b_step, donate_argnums=(0, 1))
     r_don = jax.jit(r_step, donate_argnums=(0, 1))
 
-    def b_state(p=params):
-        p = _raw.copy_tree(p)
-        return p, tx.init(p.split()[0])
-
-    def r_state():
-        p = _raw.copy_tree(raw)
-        return p, tx.init(p)
+    b_state, r_state = fresh_states(tx, params, raw)
 
     # Same math: the first loss and the weights after one Adam step.
-    bp, _, b_loss = b_jit(*b_state(), x, y)
-    rp, _, r_loss = r_jit(*r_state(), x, y)
-    b_loss, r_loss = float(b_loss), float(r_loss)
-    np.testing.assert_allclose(b_loss, r_loss, rtol=1e-6, atol=1e-6)
-    w_diff = max(
-        float(jnp.max(jnp.abs(bp[(*model_path, *k.split("/"))].value - rp[k]))) for k in raw
-    )
-    assert w_diff <= 1e-6, w_diff
+    b_loss, r_loss, w_diff = assert_same_step(b_jit, r_jit, b_state, r_state, x, y, paths)
     checks = [
         f"{key}: first loss: {lib} {b_loss:.9g}, raw {r_loss:.9g} "
         f"(|diff| {abs(b_loss - r_loss):.1e}); max |weight diff| after one Adam step "
@@ -231,6 +268,40 @@ def build_train(
         ),
     ]
     return Built(contenders, pairs, checks, flops)
+
+
+def build_mlp(bx: ModuleType, mlp: type, target: float | None, lib: str = "blox") -> Built:
+    """Workload (a): MLP 32->64->64->10, ``mlp(graph, (64, 64, 10), rng)``, batch 32."""
+    return build_train(
+        bx,
+        "(a) MLP",
+        lambda g, rng: mlp(g / "mlp", (64, 64, 10), rng),
+        ("net", "mlp"),
+        num_layers=3,
+        d_in=32,
+        d_out=10,
+        batch_size=32,
+        target=target,
+        lib=lib,
+    )
+
+
+def build_deep(bx: ModuleType, cfg: Config, target: float | None, lib: str = "blox") -> Built:
+    """Workload (b): 64 (quick: 4) ``bx.Linear`` children of width 32, batch 32."""
+    depth = 4 if cfg.quick else 64
+    stack = stack_class(bx)
+    return build_train(
+        bx,
+        f"(b) {depth} Linear",
+        lambda g, rng: stack(g / "deep", (32,) * depth, rng),
+        ("net", "deep"),
+        num_layers=depth,
+        d_in=32,
+        d_out=32,
+        batch_size=32,
+        target=target,
+        lib=lib,
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -18,17 +18,16 @@ random order per cycle (see ``_timing.py``); the target is on the ratio of per-r
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 
-import _raw
 import _timing
+import _workloads
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _timing import Pair
+from _timing import CountArgs, Pair, log
 from _workloads import stepper
 from jax import lax
 
@@ -36,6 +35,7 @@ import blox as bx
 
 TARGET = 1.03
 NAMES = ("conv1", "conv2", "head")
+COUNTS = CountArgs(steps=50, warmup=5, quick_steps=3, quick_warmup=1)
 
 
 # ---------------------------------------------------------------------------
@@ -125,32 +125,17 @@ def build(batch_size: int, donate: bool):
     params = rng.seed(bx.Params(), seed=0)
     _, params = model(params, x)
     params = params.locked()
-    raw = {
-        f"{n}/{w}": jnp.array(params[("net", "cnn", n, w)].value, copy=True)
-        for n in NAMES
-        for w in ("kernel", "bias")
-    }
+    paths = {f"{n}/{w}": ("net", "cnn", n, w) for n in NAMES for w in ("kernel", "bias")}
+    raw = _workloads.raw_dict(params, paths)
     assert len(params.split()[0]) == len(raw)
-
-    def b_state():
-        p = _raw.copy_tree(params)
-        return p, tx.init(p.split()[0])
-
-    def r_state():
-        p = _raw.copy_tree(raw)
-        return p, tx.init(p)
+    b_state, r_state = _workloads.fresh_states(tx, params, raw)
 
     # Compile each step once (AOT) and time the compiled executables themselves.
     b_jit = jax.jit(blox_step(model, tx)).lower(*b_state(), x, y).compile()
     r_jit = jax.jit(raw_step(tx)).lower(*r_state(), x, y).compile()
-    bp, _, b_loss = b_jit(*b_state(), x, y)
-    rp, _, r_loss = r_jit(*r_state(), x, y)
-    b_loss, r_loss = float(b_loss), float(r_loss)
-    np.testing.assert_allclose(b_loss, r_loss, rtol=1e-6, atol=1e-6)
-    w_diff = max(
-        float(jnp.max(jnp.abs(bp[("net", "cnn", *k.split("/"))].value - rp[k]))) for k in raw
+    b_loss, r_loss, w_diff = _workloads.assert_same_step(
+        b_jit, r_jit, b_state, r_state, x, y, paths
     )
-    assert w_diff <= 1e-6, w_diff
     checks = [
         f"first loss: blox {b_loss:.9g}, raw {r_loss:.9g} (|diff| {abs(b_loss - r_loss):.1e}); "
         f"max |weight diff| after one Adam step {w_diff:.1e}; leaves: blox {len(params)} "
@@ -183,30 +168,17 @@ def build(batch_size: int, donate: bool):
 # ---------------------------------------------------------------------------
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 10; quick 2)")
-    ap.add_argument("--steps", type=int, default=None, help="timed calls per round (default 50)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per round (default 5)")
+    COUNTS.add_to(ap, quick_help="tiny counts and batch (smoke test)")
     ap.add_argument("--batch", type=int, default=None, help="batch size (default 64; quick 8)")
-    ap.add_argument("--quick", action="store_true", help="tiny counts and batch (smoke test)")
-    ap.add_argument("--out", default=None, help="markdown file whose section is (re)written")
     args = ap.parse_args(argv)
-    rounds = args.rounds or (2 if args.quick else 10)
-    steps = args.steps or (3 if args.quick else 50)
-    warmup = args.warmup or (1 if args.quick else 5)
+    rounds, steps, warmup = COUNTS.resolve(ap, args)
     batch = args.batch or (8 if args.quick else 64)
-    if min(rounds, steps, warmup, batch) < 1:
-        ap.error("--rounds, --steps, --warmup and --batch must be positive")
+    if batch < 1:
+        ap.error("--batch must be positive")
 
-    started = datetime.datetime.now(datetime.UTC)
-    env = _timing.environment()
-    command = _timing.command_line()
-    log(f"blox CNN speed: {command}")
+    started, env, command = _timing.start_run("blox CNN speed")
     log(f"{env['nproc']} CPUs ({env['cpu']}), {env['backend']}; jax {env['jax']}")
     t0 = time.perf_counter()
     contenders, pairs, checks, flops, transposes = build(batch, donate=not args.quick)
@@ -222,29 +194,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     report = render(env, command, started, rounds, steps, warmup, batch, args.quick, pairs,
                     checks, flops, transposes)  # fmt: skip
-    log("\n" + report)
-    if args.out:
-        _timing.write_section(args.out, "cnn_speed", report, "Benchmarks")
-        log(f"wrote {args.out}")
+    _timing.publish(report, args.out, "cnn_speed")
     return 0
 
 
 def render(env, command, started, rounds, steps, warmup, batch, quick, pairs, checks, flops,
            transposes) -> str:  # fmt: skip
-    rows = []
-    for p in pairs:
-        rows.append(
-            [
-                p.name,
-                f"{p.num_us:.0f}",
-                f"{p.den_us:.0f}",
-                f"**{p.min_ratio:.3f}x**",
-                f"{p.median_ratio:.3f}x",
-                f"{min(p.round_ratios):.3f} - {max(p.round_ratios):.3f}",
-                f"<= {TARGET:.2f}x",
-                "PASS" if p.min_ratio <= TARGET else "FAIL",
-            ]
-        )
+    rows = [_timing.ratio_row(p, primary="min", us_digits=0) for p in pairs]
     header = [
         "workload",
         "blox us/call",
@@ -264,9 +220,13 @@ def render(env, command, started, rounds, steps, warmup, batch, quick, pairs, ch
         "channels-last. blox: `bx.Conv`, `bx.max_pool`, `bx.Linear` in a `bx.Module`, the "
         "split/grad/merge step; raw: `lax.conv_general_dilated` (NHWC/HWIO, 'SAME'), "
         "`lax.reduce_window` (max), `jnp.dot` on a `{str: array}` dict.",
-        f"- {rounds} rounds; per round and contender {warmup} warm-up calls, then {steps} "
-        "timed calls, interleaved in a random order per cycle"
-        + (". QUICK smoke run: batch and counts shrunk, numbers meaningless." if quick else "."),
+        _timing.counts_bullet(
+            rounds,
+            steps,
+            warmup,
+            "interleaved in a random order per cycle",
+            "batch and counts shrunk, numbers meaningless" if quick else None,
+        ),
         "",
         _timing.format_table(header, rows),
         "",
@@ -298,10 +258,8 @@ def render(env, command, started, rounds, steps, warmup, batch, quick, pairs, ch
         + ("" if quick else "; the donated variants use `donate_argnums=(0, 1)`")
         + ".",
         "",
-        "### Same-math checks",
-        "",
+        *_timing.same_math_section(checks),
     ]
-    lines += [f"- {c}" for c in checks] + [""]
     return "\n".join(lines)
 
 

@@ -21,7 +21,6 @@ has jax-blox). jax-blox's import name is also ``blox``: it is never imported her
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -32,11 +31,13 @@ from dataclasses import dataclass
 
 import _timing
 import _workloads
+from _timing import CountArgs, log
 from _workloads import Built, Config, Outcome
 
 import blox as bx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COUNTS = CountArgs(steps=300, warmup=30, quick_steps=5, quick_warmup=2)
 
 
 # ---------------------------------------------------------------------------
@@ -66,34 +67,12 @@ def workload(key: str, title: str):
 
 @workload("(a)", "tiny MLP 32->64->64->10 (bx.MLP), batch 32, MSE, Adam step")
 def mlp_workload(cfg: Config) -> Built:
-    return _workloads.build_train(
-        bx,
-        "(a) MLP",
-        lambda g, rng: bx.MLP(g / "mlp", (64, 64, 10), rng),
-        ("net", "mlp"),
-        num_layers=3,
-        d_in=32,
-        d_out=10,
-        batch_size=32,
-        target=1.05,
-    )
+    return _workloads.build_mlp(bx, bx.MLP, target=1.05)
 
 
 @workload("(b)", "64 bx.Linear children of width 32 (128 param leaves), batch 32, Adam step")
 def deep_workload(cfg: Config) -> Built:
-    depth = 4 if cfg.quick else 64
-    stack = _workloads.stack_class(bx)
-    return _workloads.build_train(
-        bx,
-        f"(b) {depth} Linear",
-        lambda g, rng: stack(g / "deep", (32,) * depth, rng),
-        ("net", "deep"),
-        num_layers=depth,
-        d_in=32,
-        d_out=32,
-        batch_size=32,
-        target=1.10,
-    )
+    return _workloads.build_deep(bx, cfg, target=1.10)
 
 
 @workload("(c)", "jax.jit(identity) on 384 leaves: Params vs dict[str, array]")
@@ -152,26 +131,14 @@ def peer_python(arg: str) -> str | None:
 # ---------------------------------------------------------------------------
 
 
-def fmt_ratio(r: float) -> str:
-    return f"{r:.3f}x"
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 10; quick 2)")
-    ap.add_argument("--steps", type=int, default=None, help="timed calls per round (default 300)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per round (default 30)")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes and counts (smoke test)")
+    COUNTS.add_to(ap, quick_help="tiny sizes and counts (smoke test)")
     ap.add_argument(
         "--blocked",
         action="store_true",
         help="time each contender's calls as one block per round (default: interleaved)",
     )
-    ap.add_argument("--out", default=None, help="markdown file whose section is (re)written")
     ap.add_argument("--only", default=None, help="comma-separated workload keys, e.g. '(a),(c)'")
     ap.add_argument(
         "--peer",
@@ -179,19 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         help="python of a venv with jax-blox 0.1.6 ('auto': .venv-bench if usable; 'off')",
     )
     args = ap.parse_args(argv)
-    cfg = Config(
-        rounds=args.rounds or (2 if args.quick else 10),
-        steps=args.steps or (5 if args.quick else 300),
-        warmup=args.warmup or (2 if args.quick else 30),
-        quick=args.quick,
-        interleave=not args.blocked,
-    )
-    if cfg.rounds < 1 or cfg.steps < 1 or cfg.warmup < 1:
-        ap.error("--rounds, --steps and --warmup must be positive")
-    started = datetime.datetime.now(datetime.UTC)
-    env = _timing.environment()
-    command = _timing.command_line()
-    log(f"blox core overhead: {command}")
+    cfg = Config(*COUNTS.resolve(ap, args), quick=args.quick, interleave=not args.blocked)
+    started, env, command = _timing.start_run("blox core overhead")
     log(
         f"{env['nproc']} CPUs ({env['cpu']}), {env['backend']}; jax {env['jax']}; "
         f"rounds={cfg.rounds} steps={cfg.steps} warmup={cfg.warmup}"
@@ -217,10 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"peer python {args.peer!r} has no jax-blox; skipped")
 
     report = render(env, command, started, cfg, out, peer)
-    log("\n" + report)
-    if args.out:
-        _timing.write_section(args.out, "core_overhead", report, "Benchmarks")
-        log(f"wrote {args.out}")
+    _timing.publish(report, args.out, "core_overhead")
     return 0
 
 
@@ -235,19 +188,7 @@ def _pairs_table(pairs, lib: str, with_target: bool) -> str:
     ]
     if with_target:
         header += ["target", "verdict"]
-    rows = []
-    for p in pairs:
-        row = [
-            p.name,
-            f"{p.num_us:.1f}",
-            f"{p.den_us:.1f}",
-            f"**{fmt_ratio(p.median_ratio)}**",
-            fmt_ratio(p.min_ratio),
-            f"{min(p.round_ratios):.3f} - {max(p.round_ratios):.3f}",
-        ]
-        if with_target:
-            row += [f"<= {p.target:.2f}x" if p.target is not None else "(diagnostic)", p.verdict]
-        rows.append(row)
+    rows = [_timing.ratio_row(p, with_target=with_target) for p in pairs]
     return _timing.format_table(header, rows)
 
 
@@ -275,9 +216,13 @@ def render(env, command, started, cfg: Config, out: Outcome, peer: dict | None) 
         "## Core overhead: blox vs raw JAX",
         "",
         *_timing.run_header(env, started, command),
-        f"- {cfg.rounds} rounds; per round and contender {cfg.warmup} warm-up calls, then "
-        f"{cfg.steps} timed calls, {mode}"
-        + (". QUICK smoke run: sizes shrunk, numbers meaningless." if cfg.quick else "."),
+        _timing.counts_bullet(
+            cfg.rounds,
+            cfg.steps,
+            cfg.warmup,
+            mode,
+            "sizes shrunk, numbers meaningless" if cfg.quick else None,
+        ),
         "",
         "Method: in each round every contender is timed. Interleaved, each cycle runs one "
         "call of every contender in a fresh random order, so that no contender always runs "
@@ -330,7 +275,7 @@ def render(env, command, started, cfg: Config, out: Outcome, peer: dict | None) 
             "From `jax.jit(step).lower(*args).compile().cost_analysis()['flops']`.",
             "",
         ]
-    lines += ["### Same-math checks", ""] + [f"- {c}" for c in out.checks] + [""]
+    lines += _timing.same_math_section(out.checks)
     if peer is not None:
         lines += render_peer(peer)
     return "\n".join(lines)

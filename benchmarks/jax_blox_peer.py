@@ -58,34 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = Config(args.rounds, args.steps, args.warmup, args.quick, not args.blocked)
     bx, version = import_jax_blox()
-    stack = _workloads.stack_class(bx)
-    depth = 4 if cfg.quick else 64
+    lib = "jax-blox"
 
     workloads = {
-        "(a)": lambda: _workloads.build_train(
-            bx,
-            "(a) MLP",
-            lambda g, rng: stack(g / "mlp", (64, 64, 10), rng),
-            ("net", "mlp"),
-            num_layers=3,
-            d_in=32,
-            d_out=10,
-            batch_size=32,
-            target=None,
-            lib="jax-blox",
-        ),
-        "(b)": lambda: _workloads.build_train(
-            bx,
-            f"(b) {depth} Linear",
-            lambda g, rng: stack(g / "deep", (32,) * depth, rng),
-            ("net", "deep"),
-            num_layers=depth,
-            d_in=32,
-            d_out=32,
-            batch_size=32,
-            target=None,
-            lib="jax-blox",
-        ),
+        # jax-blox has no MLP: (a) is the same three Linear children in a plain stack.
+        "(a)": lambda: _workloads.build_mlp(bx, _workloads.stack_class(bx), None, lib),
+        "(b)": lambda: _workloads.build_deep(bx, cfg, None, lib),
         "(c)": lambda: _workloads.build_roundtrip(bx, 24 if cfg.quick else 384, cfg, target=None),
     }
     only = [s.strip() for s in args.only.split(",")] if args.only else None

@@ -18,7 +18,6 @@ steps. Timing is same-round (see ``_timing.py``); the target is on the ratio of 
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 
@@ -29,11 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _timing import Contender, Pair
+from _timing import Contender, CountArgs, Pair, log
 
 import blox as bx
 
 TARGET = 1.03
+COUNTS = CountArgs(steps=50, warmup=5, quick_steps=3, quick_warmup=1)
 
 
 class LSTMRegressor(bx.Module):
@@ -98,30 +98,14 @@ def build_lstm(quick: bool) -> tuple[list[Contender], list[Pair], list[str], lis
     params = params.locked()
     base = ("net", "model")
     names = ["lstm/gates/kernel", "lstm/gates/bias", "head/kernel", "head/bias"]
-    raw = {
-        n.replace("/gates", ""): jnp.array(params[(*base, *n.split("/"))].value, copy=True)
-        for n in names
-    }
+    paths = {n.replace("/gates", ""): (*base, *n.split("/")) for n in names}
+    raw = _workloads.raw_dict(params, paths)
     b_step, r_step = _workloads.split_merge_step(model, tx), raw_step(tx)
     b_jit, r_jit = jax.jit(b_step), jax.jit(r_step)
-
-    def b_state():
-        p = _raw.copy_tree(params)
-        return p, tx.init(p.split()[0])
-
-    def r_state():
-        p = _raw.copy_tree(raw)
-        return p, tx.init(p)
-
-    bp, _, b_loss = b_jit(*b_state(), x, y)
-    rp, _, r_loss = r_jit(*r_state(), x, y)
-    b_loss, r_loss = float(b_loss), float(r_loss)
-    np.testing.assert_allclose(b_loss, r_loss, rtol=1e-6, atol=1e-6)
-    w_diff = max(
-        float(jnp.max(jnp.abs(bp[(*base, *n.split("/"))].value - rp[n.replace("/gates", "")])))
-        for n in names
+    b_state, r_state = _workloads.fresh_states(tx, params, raw)
+    b_loss, r_loss, w_diff = _workloads.assert_same_step(
+        b_jit, r_jit, b_state, r_state, x, y, paths
     )
-    assert w_diff <= 1e-6, w_diff
     key = f"LSTM B={batch} T={steps} F={features} H={hidden} + dense head, Adam step"
     checks = [
         f"{key}: first loss blox {b_loss:.9g}, raw {r_loss:.9g} (|diff| "
@@ -149,33 +133,22 @@ def build_lstm(quick: bool) -> tuple[list[Contender], list[Pair], list[str], lis
     return contenders, pairs, checks, hlo
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def render(env, command, started, rounds, steps, warmup, quick, pairs, checks, hlo) -> str:
-    rows = []
-    for p in pairs:
-        verdict = "PASS" if p.min_ratio <= p.target else "FAIL"
-        rows.append(
-            [
-                p.name,
-                f"{p.num_us:.0f}",
-                f"{p.den_us:.0f}",
-                f"**{p.min_ratio:.3f}x**",
-                f"{p.median_ratio:.3f}x",
-                f"{min(p.round_ratios):.3f} - {max(p.round_ratios):.3f}",
-                f"<= {p.target:.2f}x (min-based)",
-                verdict,
-            ]
-        )
+    rows = [
+        _timing.ratio_row(p, primary="min", us_digits=0, target_suffix=" (min-based)")
+        for p in pairs
+    ]
     lines = [
         "## Layers: recurrent train step, blox vs raw JAX",
         "",
         *_timing.run_header(env, started, command),
-        f"- {rounds} rounds; per round and contender {warmup} warm-up calls, then {steps} "
-        "timed calls, interleaved"
-        + (". QUICK smoke run: sizes shrunk, numbers meaningless." if quick else "."),
+        _timing.counts_bullet(
+            rounds,
+            steps,
+            warmup,
+            "interleaved",
+            "sizes shrunk, numbers meaningless" if quick else None,
+        ),
         "",
         "blox: `bx.LSTM(hidden=64)` (`lax.scan` through `dynamic_scan`, params in the scan "
         "carry) and a `bx.Linear(1)` head on every step, MSE, the split/grad/merge Adam step. "
@@ -215,29 +188,17 @@ def render(env, command, started, rounds, steps, warmup, quick, pairs, checks, h
         "FLOPs from `compile().cost_analysis()['flops']`; transposes counted as "
         "`transpose(` instructions in `compile().as_text()`.",
         "",
-        "### Same-math checks",
-        "",
-        *[f"- {c}" for c in checks],
-        "",
+        *_timing.same_math_section(checks),
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 10; quick 2)")
-    ap.add_argument("--steps", type=int, default=None, help="timed calls per round (default 50)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per round (default 5)")
-    ap.add_argument("--quick", action="store_true", help="T=10 and few calls (smoke test)")
-    ap.add_argument("--out", default=None, help="markdown file whose section is (re)written")
+    COUNTS.add_to(ap, quick_help="T=10 and few calls (smoke test)")
     args = ap.parse_args(argv)
-    rounds = args.rounds or (2 if args.quick else 10)
-    steps = args.steps or (3 if args.quick else 50)
-    warmup = args.warmup or (1 if args.quick else 5)
-    started = datetime.datetime.now(datetime.UTC)
-    env = _timing.environment()
-    command = _timing.command_line()
-    log(f"blox layers speed: {command}")
+    rounds, steps, warmup = COUNTS.resolve(ap, args)
+    started, env, command = _timing.start_run("blox layers speed")
     t0 = time.perf_counter()
     contenders, pairs, checks, hlo = build_lstm(args.quick)
     log(f"built and checked in {time.perf_counter() - t0:.1f}s; " + "; ".join(checks))
@@ -250,10 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             + " ".join(f"{r:.3f}" for r in p.round_ratios)
         )
     report = render(env, command, started, rounds, steps, warmup, args.quick, pairs, checks, hlo)
-    log("\n" + report)
-    if args.out:
-        _timing.write_section(args.out, "layers_speed", report, "Benchmarks")
-        log(f"wrote {args.out}")
+    _timing.publish(report, args.out, "layers_speed")
     return 0
 
 

@@ -22,7 +22,6 @@ Method and ratios as in ``core_overhead.py`` (see ``_timing.py``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 
 import _raw
@@ -32,21 +31,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _timing import Contender, Pair
-from _workloads import Config
+from _timing import Contender, CountArgs, Counts, Pair, log
 
 import blox as bx
 
 K = 10
 NAMES = ("linear_0", "linear_1", "linear_2")
 PATH = ("net", "mlp")
+COUNTS = CountArgs(steps=200, warmup=20, quick_steps=5, quick_warmup=2)
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def build(cfg: Config):
+def build():
     x, y = _raw.batch(32, 32, 10)
     tx = optax.adam(1e-3)
     g = bx.Graph("net")
@@ -70,13 +65,7 @@ def build(cfg: Config):
     raw_step = jax.jit(_raw.train_step(NAMES, tx), donate_argnums=(0, 1))
     xs, ys = jnp.stack([x] * K), jnp.stack([y] * K)
 
-    def b_state():
-        p = _raw.copy_tree(params)
-        return p, tx.init(p.split()[0])
-
-    def r_state():
-        p = _raw.copy_tree(raw)
-        return p, tx.init(p)
+    b_state, r_state = _workloads.fresh_states(tx, params, raw)
 
     # Same math: one step of (a), (b) and raw; K steps of (c) and raw.
     checks = []
@@ -167,29 +156,14 @@ def _raw_k_contender(step, state, x, y) -> Contender:
     return Contender("raw x10", call)
 
 
-def render(env, command, started, cfg: Config, pairs, checks) -> str:
+def render(env, command, started, counts: Counts, quick: bool, pairs, checks) -> str:
     header = ["step", "blox us/call", "raw us/call", "ratio (median of rounds)"]
     header += ["min-based ratio", "per-round ratios (min - max)", "target", "verdict"]
-    rows = [
-        [
-            p.name,
-            f"{p.num_us:.1f}",
-            f"{p.den_us:.1f}",
-            f"**{p.median_ratio:.3f}x**",
-            f"{p.min_ratio:.3f}x",
-            f"{min(p.round_ratios):.3f} - {max(p.round_ratios):.3f}",
-            f"<= {p.target:.2f}x",
-            p.verdict,
-        ]
-        for p in pairs
-    ]
     lines = [
         "## Train step helpers: blox.train vs raw JAX",
         "",
         *_timing.run_header(env, started, command),
-        f"- {cfg.rounds} rounds; per round and contender {cfg.warmup} warm-up calls, then "
-        f"{cfg.steps} timed calls, interleaved"
-        + (". QUICK smoke run: numbers meaningless." if cfg.quick else "."),
+        _timing.counts_bullet(*counts, "interleaved", "numbers meaningless" if quick else None),
         "",
         "Workload: tiny MLP 32->64->64->10 (`bx.MLP`), batch 32, MSE, `optax.adam(1e-3)`, "
         "every step `jax.jit(..., donate_argnums=(0, 1))` (the *not donated* rows: plain "
@@ -199,48 +173,30 @@ def render(env, command, started, cfg: Config, pairs, checks) -> str:
         f"batches; its reference is {K} raw step calls in a row, dispatched asynchronously "
         "and waited for once (what a training loop does), so the (c) ratio is per step.",
         "",
-        _timing.format_table(header, rows),
+        _timing.format_table(header, [_timing.ratio_row(p) for p in pairs]),
         "",
-        "### Same-math checks",
-        "",
-        *[f"- {c}" for c in checks],
-        "",
+        *_timing.same_math_section(checks),
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 10; quick 2)")
-    ap.add_argument("--steps", type=int, default=None, help="timed calls per round (default 200)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per round (default 20)")
-    ap.add_argument("--quick", action="store_true", help="few calls (smoke test)")
-    ap.add_argument("--out", default=None, help="markdown file whose section is (re)written")
+    COUNTS.add_to(ap, quick_help="few calls (smoke test)")
     args = ap.parse_args(argv)
-    cfg = Config(
-        rounds=args.rounds or (2 if args.quick else 10),
-        steps=args.steps or (5 if args.quick else 200),
-        warmup=args.warmup or (2 if args.quick else 20),
-        quick=args.quick,
-    )
-    started = datetime.datetime.now(datetime.UTC)
-    env = _timing.environment()
-    command = _timing.command_line()
-    log(f"blox train step: {command}")
-    contenders, pairs, checks = build(cfg)
+    counts = COUNTS.resolve(ap, args)
+    started, env, command = _timing.start_run("blox train step")
+    contenders, pairs, checks = build()
     for c in checks:
         log(f"   {c}")
-    results = _timing.run_rounds(contenders, cfg.rounds, cfg.steps, cfg.warmup)
+    results = _timing.run_rounds(contenders, *counts)
     for p in _timing.compare(results, pairs):
         log(
             f"   {p.name}: {p.num_us:.1f} vs {p.den_us:.1f} us/call, ratio {p.median_ratio:.3f}x "
             f"(min-based {p.min_ratio:.3f}x) target <= {p.target:.2f}x {p.verdict}"
         )
-    report = render(env, command, started, cfg, pairs, checks)
-    log("\n" + report)
-    if args.out:
-        _timing.write_section(args.out, "train_step", report, "Benchmarks")
-        log(f"wrote {args.out}")
+    report = render(env, command, started, counts, args.quick, pairs, checks)
+    _timing.publish(report, args.out, "train_step")
     return 0
 
 

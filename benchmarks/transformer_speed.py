@@ -18,18 +18,18 @@ stay flat), next to a full forward pass over the same prefix without a cache.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 
 import _timing
+import _workloads
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _timing import Contender, Pair
+from _timing import Contender, CountArgs, Counts, Pair, log
 
 import blox as bx
 
@@ -50,14 +50,15 @@ class Cfg:
     quick: bool
 
 
-def make_cfg(quick: bool, rounds: int | None, steps: int | None, warmup: int | None) -> Cfg:
+COUNTS = CountArgs(steps=30, warmup=5, quick_steps=3, quick_warmup=1)
+
+
+def make_cfg(quick: bool, counts: Counts) -> Cfg:
     if quick:
         base = dict(vocab=32, d=32, layers=1, heads=2, mlp=64, batch=2, seq=16, cache=32)
-        r, s, w = 2, 3, 1
     else:
         base = dict(vocab=96, d=128, layers=2, heads=4, mlp=512, batch=16, seq=64, cache=256)
-        r, s, w = 10, 30, 5
-    return Cfg(**base, rounds=rounds or r, steps=steps or s, warmup=warmup or w, quick=quick)
+    return Cfg(**base, **counts._asdict(), quick=quick)
 
 
 # ---------------------------------------------------------------------------
@@ -150,11 +151,8 @@ def train_workload(cfg: Cfg, log) -> tuple[list[Contender], list[Pair], list[str
         return t.merge(nt), opt, loss
 
     prefix = ("lm", "model")
-    raw = {
-        "/".join(path[2:]): jnp.array(params[path].value, copy=True)
-        for path in params.keys()
-        if path[:2] == prefix
-    }
+    paths = {"/".join(path[2:]): path for path in params.keys() if path[:2] == prefix}
+    raw = _workloads.raw_dict(params, paths)
     assert len(raw) == len(params.split()[0]), (len(raw), len(params.split()[0]))
 
     def r_step(p, opt, x, y):
@@ -164,24 +162,13 @@ def train_workload(cfg: Cfg, log) -> tuple[list[Contender], list[Pair], list[str
             p = optax.apply_updates(p, updates)
         return p, opt, loss
 
-    def b_state():
-        p = jax.tree.map(lambda a: jnp.array(a, copy=True), params)
-        return p, tx.init(p.split()[0])
-
-    def r_state():
-        p = jax.tree.map(lambda a: jnp.array(a, copy=True), raw)
-        return p, tx.init(p)
+    b_state, r_state = _workloads.fresh_states(tx, params, raw)
 
     # Compiled once each; the executables give the FLOPs and run the checks and timing.
     b_jit = jax.jit(b_step, donate_argnums=(0, 1)).lower(*b_state(), x, y).compile()
     r_jit = jax.jit(r_step, donate_argnums=(0, 1)).lower(*r_state(), x, y).compile()
 
-    bp, _, bl = b_jit(*b_state(), x, y)
-    rp, _, rl = r_jit(*r_state(), x, y)
-    bl, rl = float(bl), float(rl)
-    np.testing.assert_allclose(bl, rl, rtol=1e-6, atol=1e-6)
-    w_diff = max(float(jnp.max(jnp.abs(bp[(*prefix, *k.split("/"))].value - rp[k]))) for k in raw)
-    assert w_diff <= 1e-6, w_diff
+    bl, rl, w_diff = _workloads.assert_same_step(b_jit, r_jit, b_state, r_state, x, y, paths)
     checks = [
         f"LM train step: first loss blox {bl:.9g}, raw {rl:.9g} (|diff| {abs(bl - rl):.1e}); "
         f"max |weight diff| after one Adam step {w_diff:.1e}; {len(raw)} trainable leaves "
@@ -194,16 +181,10 @@ def train_workload(cfg: Cfg, log) -> tuple[list[Contender], list[Pair], list[str
         + (" (equal)" if nb == nr else " (DIFFERENT)")
     )
 
-    def stepper(name, step, state):
-        st = list(state)
-
-        def call():
-            st[0], st[1], loss = step(st[0], st[1], x, y)
-            return loss
-
-        return Contender(name, call)
-
-    contenders = [stepper("blox", b_jit, b_state()), stepper("raw", r_jit, r_state())]
+    contenders = [
+        _workloads.stepper("blox", b_jit, *b_state(), x, y),
+        _workloads.stepper("raw", r_jit, *r_state(), x, y),
+    ]
     pairs = [Pair("LM train step (donated)", "blox", "raw", target=1.03)]
     for c in checks:
         log(f"   check: {c}")
@@ -254,23 +235,12 @@ def decode_workload(cfg: Cfg) -> tuple[list[Contender], list[int], list[str]]:
 # ---------------------------------------------------------------------------
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes and counts (smoke test)")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--out", default=None, help="markdown file whose section is (re)written")
+    COUNTS.add_to(ap, quick_help="tiny sizes and counts (smoke test)")
     args = ap.parse_args(argv)
-    cfg = make_cfg(args.quick, args.rounds, args.steps, args.warmup)
-    started = datetime.datetime.now(datetime.UTC)
-    env = _timing.environment()
-    command = _timing.command_line()
-    log(f"transformer speed: {command}")
+    cfg = make_cfg(args.quick, COUNTS.resolve(ap, args))
+    started, env, command = _timing.start_run("transformer speed")
 
     t0 = time.perf_counter()
     log("\n== LM train step")
@@ -286,29 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     log(f"   done in {time.perf_counter() - t0:.1f}s")
 
     report = render(env, command, started, cfg, pairs, checks, flops, dec_results, fills, notes)
-    log("\n" + report)
-    if args.out:
-        _timing.write_section(args.out, "transformer_speed", report, "Benchmarks")
-        log(f"wrote {args.out}")
+    _timing.publish(report, args.out, "transformer_speed")
     return 0
 
 
 def render(env, command, started, cfg, pairs, checks, flops, dec_results, fills, notes) -> str:
-    rows = []
-    for p in pairs:
-        verdict = "PASS" if p.min_ratio <= p.target else "FAIL"
-        rows.append(
-            [
-                p.name,
-                f"{p.num_us:.0f}",
-                f"{p.den_us:.0f}",
-                f"**{p.min_ratio:.3f}x**",
-                f"{p.median_ratio:.3f}x",
-                f"{min(p.round_ratios):.3f} - {max(p.round_ratios):.3f}",
-                f"<= {p.target:.2f}x (min-based)",
-                verdict,
-            ]
-        )
+    rows = [
+        _timing.ratio_row(p, primary="min", us_digits=0, target_suffix=" (min-based)")
+        for p in pairs
+    ]
     dec_rows = []
     first = f"decode@{fills[0]}"
     for f in fills:
@@ -358,10 +314,7 @@ def render(env, command, started, cfg, pairs, checks, flops, dec_results, fills,
             [[k, f"{b:.0f}", f"{r:.0f}", "yes" if b == r else "NO"] for k, b, r in flops],
         ),
         "",
-        "### Same-math checks",
-        "",
-        *[f"- {c}" for c in checks],
-        "",
+        *_timing.same_math_section(checks),
         "### KV-cache decode: per-token time vs cache fill",
         "",
         *[f"- {n}" for n in notes],

@@ -4,6 +4,7 @@ Timing values are not asserted (the machine is shared); what is checked is the o
 which contenders are called, and the ratio arithmetic against a hand computation.
 """
 
+import argparse
 import importlib.util
 import os
 import statistics
@@ -99,3 +100,29 @@ def test_compare_is_the_median_of_same_round_ratios(timing):
     assert p.min_ratio == statistics.median([1.0, 1.5, 0.9])
     assert p.num_us == pytest.approx(2e6) and p.den_us == pytest.approx(2e6)
     assert p.verdict == "FAIL"
+
+
+def test_ratio_row_primary_ratio_decides_the_verdict(timing):
+    p = timing.Pair("x/y", "x", "y", target=1.0)
+    p.median_ratio, p.min_ratio, p.round_ratios = 1.2, 0.9, [1.1, 1.3]
+    p.num_us, p.den_us = 12.34, 10.0
+    assert timing.ratio_row(p) == [
+        "x/y", "12.3", "10.0", "**1.200x**", "0.900x", "1.100 - 1.300", "<= 1.00x", "FAIL"
+    ]  # fmt: skip
+    row = timing.ratio_row(p, primary="min", us_digits=0, target_suffix=" (min-based)")
+    assert row[1:4] == ["12", "10", "**0.900x**"] and row[6:] == ["<= 1.00x (min-based)", "PASS"]
+    p.target = None
+    assert timing.ratio_row(p)[6:] == ["(diagnostic)", "info"]
+    assert len(timing.ratio_row(p, with_target=False)) == 6
+
+
+def test_count_args_defaults_quick_and_explicit(timing):
+    counts = timing.CountArgs(steps=300, warmup=30, quick_steps=5, quick_warmup=2)
+    ap = argparse.ArgumentParser()
+    counts.add_to(ap, quick_help="smoke test")
+    assert counts.resolve(ap, ap.parse_args([])) == (10, 300, 30)
+    assert counts.resolve(ap, ap.parse_args(["--quick"])) == (2, 5, 2)
+    args = ap.parse_args(["--quick", "--steps", "7", "--out", "x.md"])
+    assert counts.resolve(ap, args) == (2, 7, 2) and args.out == "x.md"
+    with pytest.raises(SystemExit):
+        counts.resolve(ap, ap.parse_args(["--warmup", "-1"]))
