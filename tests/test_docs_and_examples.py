@@ -11,6 +11,7 @@ import blox
 import blox.core
 import blox.nn
 import blox.train
+from tests.scripts import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC_MODULES = {"core": blox.core, "nn": blox.nn, "train": blox.train}
@@ -51,13 +52,7 @@ def test_readme_code_runs():
 
 
 def test_demo_example_runs_tiny_and_learns():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "mlp_regression.py"), "--size", "tiny"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
-    assert losses[-1] < 0.5 * losses[0], proc.stdout
-    assert "total:" in proc.stdout and "net/fc1/kernel" in proc.stdout
+    out = run_script("examples/mlp_regression.py", "--size", "tiny")
+    losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", out)]
+    assert losses[-1] < 0.5 * losses[0], out
+    assert "total:" in out and "net/fc1/kernel" in out

@@ -5,23 +5,12 @@ No timing asserts: timings on a shared machine are noise at these sizes.
 """
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.scripts import run_benchmark_quick, run_script
 
 
 def test_digits_cnn_tiny_learns():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "digits_cnn.py"), "--size", "tiny"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_script("examples/digits_cnn.py", "--size", "tiny")
     losses = [float(m) for m in re.findall(r"test loss (\d+\.\d+)", out)]
     assert len(losses) >= 5, out
     assert losses[-1] < 0.5 * losses[0], out
@@ -31,16 +20,8 @@ def test_digits_cnn_tiny_learns():
 
 
 def test_cnn_speed_quick_writes_its_section(tmp_path):
-    out = tmp_path / "benchmarks.md"
-    out.write_text("# Benchmarks\n\nKept text.\n")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "cnn_speed.py"), "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = out.read_text()
-    assert text.startswith("# Benchmarks\n\nKept text.\n")
+    text = run_benchmark_quick("cnn_speed.py", "cnn_speed", tmp_path / "benchmarks.md")
     for needle in [
-        "<!-- bench:cnn_speed:begin -->",
-        "<!-- bench:cnn_speed:end -->",
         "CNN train step",
         "ratio of minima",
         "optimised-HLO FLOPs",

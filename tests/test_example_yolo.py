@@ -2,22 +2,12 @@
 table and the output shape at every scale, and the loss goes down."""
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.scripts import run_script
 
 
 def test_yolo_example_runs_tiny_and_the_loss_drops():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "yolo_blocks.py"), "--size", "tiny"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_script("examples/yolo_blocks.py", "--size", "tiny", timeout=600)
     assert "total:" in out and "yolo/features/backbone/stem/conv/kernel" in out, out
     assert "yolo/features/neck/out_p5/cv2/bn/running_var" in out, out
     # 32x32 inputs: 4x4, 2x2 and 1x1 maps at strides 8, 16, 32.

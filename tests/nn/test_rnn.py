@@ -7,10 +7,6 @@ Tolerances: ``tests/tolerances.py`` ``tol(dtype)``.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -19,9 +15,9 @@ import pytest
 from jax.test_util import check_grads
 
 import blox as bx
+from tests.scripts import run_benchmark_quick
 from tests.tolerances import tol
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CELLS = ["LSTM", "GRU", "SimpleRNN", "MGU"]
 
 
@@ -409,18 +405,6 @@ def test_bidirectional_errors():
 def test_layers_speed_benchmark_quick(tmp_path):
     """``benchmarks/layers_speed.py --quick`` runs (same-math checks included) and writes
     its own section; no timing asserts."""
-    out = tmp_path / "benchmarks.md"
-    out.write_text("# Benchmarks\n\nKept text.\n")
-    script = os.path.join(REPO, "benchmarks", "layers_speed.py")
-    res = subprocess.run(
-        [sys.executable, script, "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    text = out.read_text()
-    assert text.startswith("# Benchmarks\n\nKept text.\n")
-    for needle in ("<!-- bench:layers_speed:begin -->", "LSTM", "transpose", "FLOPs"):
+    text = run_benchmark_quick("layers_speed.py", "layers_speed", tmp_path / "b.md")
+    for needle in ("LSTM", "transpose", "FLOPs"):
         assert needle in text, needle

@@ -9,10 +9,6 @@ weights copied across; forward and gradients w.r.t. every weight. Tolerances:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,10 +25,10 @@ from tests.nn.test_reference_torch import (
     _np,
     _precision,
 )
+from tests.scripts import run_benchmark_quick
 from tests.tolerances import tol
 
 DTYPES = ["float32", "float64"]
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _gelu_tanh(x):
@@ -323,22 +319,8 @@ def test_transformer_errors():
 def test_transformer_benchmark_quick_smoke(tmp_path):
     """benchmarks/transformer_speed.py --quick runs (same-math checks included) and writes
     only its own section."""
-    out = tmp_path / "benchmarks.md"
-    out.write_text("# Benchmarks\n\nKept text.\n")
-    script = os.path.join(REPO, "benchmarks", "transformer_speed.py")
-    res = subprocess.run(
-        [sys.executable, script, "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    text = out.read_text()
-    assert text.startswith("# Benchmarks\n\nKept text.\n")
+    text = run_benchmark_quick("transformer_speed.py", "transformer_speed", tmp_path / "b.md")
     for needle in [
-        "<!-- bench:transformer_speed:begin -->",
-        "<!-- bench:transformer_speed:end -->",
         "LM train step",
         "KV-cache decode",
         "Optimised-HLO FLOPs",
