@@ -296,10 +296,16 @@ def _git(*args: str) -> str:
 
 
 def _git_rev() -> str:
+    """HEAD's short hash, marked when the measured code (the library, the benchmark
+    scripts, the package metadata) differs from it. The reports the scripts write into
+    ``docs/`` do not count, so a script that runs after another one in ``make bench``
+    still reads clean."""
     try:
         rev = _git("rev-parse", "--short", "HEAD")
-        dirty = _git("status", "--porcelain", "--untracked-files=no")
-        return rev + (" (working tree modified)" if dirty else "")
+        top = _git("rev-parse", "--show-toplevel")
+        code = [os.path.join(top, p) for p in ("blox", "benchmarks", "pyproject.toml")]
+        dirty = _git("status", "--porcelain", "--untracked-files=no", "--", *code)
+        return rev + (" (code modified)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
