@@ -417,6 +417,11 @@ def steps_per_dispatch(
     metrics of every step stacked along a leading axis ``(k, ...)``. Same params as `k`
     single steps; the dispatch and pytree flattening cost is paid once per `k` steps.
 
+    ``unroll`` is passed to ``lax.scan``. Keep the default of 1 unless you have measured
+    a gain: on a 2-core CPU, the tiny-MLP Adam step with ``k=10`` took 1.00x the time of
+    ``unroll=1`` at ``unroll=2``, 1.34x at 5 and 1.50x at 10. Unrolling also makes the
+    program longer to compile.
+
     >>> import blox as bx, jax, jax.numpy as jnp
     >>> def step(w, batch):
     ...     w = w - 0.1 * jnp.mean(batch)
