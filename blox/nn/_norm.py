@@ -37,7 +37,6 @@ class AffineNorm(Module):
     """
 
     kind = "Norm"
-    use_bias = False
 
     def _set_affine(
         self,
