@@ -38,5 +38,7 @@ from blox.train._step import make_train_step as make_train_step
 from blox.train._step import stack_batches as stack_batches
 from blox.train._step import steps_per_dispatch as steps_per_dispatch
 from blox.train._step import value_and_grad as value_and_grad
+from blox.train._step import weighted_mean as weighted_mean
+from blox.train._step import weighted_terms as weighted_terms
 
 __all__ = sorted(n for n in dir() if not n.startswith("_"))

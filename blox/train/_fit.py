@@ -1,4 +1,10 @@
-"""`fit`: an optional training loop *function* (no trainer object owns anything)."""
+"""`fit`: an optional training loop *function* (no trainer object owns anything).
+
+Epochs are numbered from 1 everywhere: `FitState.epoch`, the ``epoch`` of each `History`
+row (so the CSV and TensorBoard logs), the progress bar, the stop message,
+`EarlyStopping`'s ``best_epoch`` / ``stopped_epoch``, and the argument of a
+``train_data(epoch)`` function.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +29,9 @@ class FitState:
     Attributes:
       params, opt_state: the latest state (a callback may replace them).
       step: optimizer steps done so far.
-      epoch: the current epoch, 0-based.
+      epoch: the current epoch, numbered from 1 like every epoch in `fit` (the history
+        rows, the logs, the messages); 0 before the first epoch starts (in
+        ``on_train_begin``). In ``on_epoch_end`` it is the number of epochs completed.
       history: the `History` so far.
       metrics: the last step's metrics (device arrays; converting them syncs).
       has_eval: whether `fit` was given an ``eval_fn``.
@@ -79,7 +87,8 @@ class EarlyStopping(Callback):
         device at each improvement).
 
     Attributes:
-      best, best_epoch, stopped_epoch: filled during `fit` (epochs 1-based).
+      best, best_epoch, stopped_epoch: filled during `fit` (epochs numbered from 1, as
+        in the history rows and `FitState.epoch`).
     """
 
     def __init__(
@@ -241,10 +250,12 @@ def fit(
     counts as one step in ``state.step`` and ``time/steps_per_s`` (pass
     ``examples_per_step=k * B``), and its stacked metrics are averaged.
 
-    Per epoch: the steps (with a tqdm progress bar showing the loss every `log_every`
-    steps), then one history row with the epoch means of the step's metrics
-    (``train/<name>``), ``eval_fn(params)`` every `eval_every` epochs (``eval/<name>``),
-    timing and device memory, then the loggers and the callbacks' ``on_epoch_end``.
+    Epochs are numbered from 1 everywhere (`FitState.epoch`, the rows' ``'epoch'``, the
+    logs and messages, ``train_data(epoch)``). Per epoch: the steps (with a tqdm progress
+    bar showing the loss every `log_every` steps), then one history row with the epoch
+    means of the step's metrics (``train/<name>``), ``eval_fn(params)`` every
+    `eval_every` epochs (``eval/<name>``), timing and device memory, then the loggers and
+    the callbacks' ``on_epoch_end``.
 
     Timing: ``time/compile_s`` (first epoch only) is the wall time of the first step
     call, waited for: trace, compile and one step; it is excluded from the step timing.
@@ -265,9 +276,10 @@ def fit(
       step: the train step (see above).
       params, opt_state: the initial state.
       train_data: an iterable of batches that can be iterated once per epoch (a list, a
-        data loader), or a function ``epoch -> iterable`` (e.g. to reshuffle). With
-        `steps_per_epoch`, batches are drawn from one iterator kept across epochs
-        (for endless streams).
+        data loader), or a function ``epoch -> iterable`` (e.g. to reshuffle), called
+        with ``epoch = 1, 2, ...``. With `steps_per_epoch`, batches are drawn from one
+        iterator kept across epochs (for endless streams; a function is called once,
+        with 1).
       epochs: the number of epochs.
       steps_per_epoch: steps per epoch (default: one pass over the data).
       eval_fn: ``params -> dict`` of scalar metrics (close over the eval data).
@@ -306,7 +318,7 @@ def fit(
     stopped = "completed"
     stream = None
     if steps_per_epoch is not None:
-        stream = iter(train_data(0) if callable(train_data) else train_data)
+        stream = iter(train_data(1) if callable(train_data) else train_data)
     compile_s: float | None = None
 
     def call_step(batch):
@@ -324,7 +336,7 @@ def fit(
     try:
         for h in hooks:
             h.on_train_begin(state)
-        for epoch in range(epochs):
+        for epoch in range(1, epochs + 1):  # numbered from 1 everywhere
             state.epoch = epoch
             if stream is not None:
                 batches: Iterable[Any] = _take(stream, steps_per_epoch)
@@ -333,7 +345,7 @@ def fit(
                 batches = train_data(epoch) if callable(train_data) else train_data
                 total = len(batches) if hasattr(batches, "__len__") else None
             bar = (
-                tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", leave=False, unit="step")
+                tqdm(total=total, desc=f"epoch {epoch}/{epochs}", leave=False, unit="step")
                 if tqdm is not None
                 else None
             )
@@ -371,12 +383,12 @@ def fit(
             if not step_metrics:
                 stopped = "data exhausted"
                 break
-            row: dict[str, float] = {"epoch": epoch + 1, "step": state.step}
+            row: dict[str, float] = {"epoch": epoch, "step": state.step}
             row.update(_mean_rows(step_metrics))
-            last = epoch == epochs - 1
-            if eval_fn is not None and ((epoch + 1) % eval_every == 0 or last):
+            last = epoch == epochs
+            if eval_fn is not None and (epoch % eval_every == 0 or last):
                 row.update(_to_row("eval", eval_fn(state.params), "eval_fn"))
-            if epoch == 0 and compile_s is not None:
+            if epoch == 1 and compile_s is not None:
                 row["time/compile_s"] = compile_s
             if elapsed is not None and elapsed > 0:
                 row["time/epoch_s"] = elapsed

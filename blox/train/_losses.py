@@ -199,8 +199,21 @@ def softmax_cross_entropy(
     """Softmax cross-entropy with integer or one-hot (probability) labels.
 
     ``loss_i = -sum_c q_ic * log_softmax(logits_i)_c`` with the target distribution
-    ``q = (1 - label_smoothing) * onehot + label_smoothing / C`` (the PyTorch
-    ``CrossEntropyLoss`` definition).
+    ``q = (1 - label_smoothing) * onehot + label_smoothing * valid / n_valid``, where
+    ``valid`` marks the classes whose logit is not ``-inf`` and ``n_valid`` counts them.
+    Without masked classes this is the PyTorch ``CrossEntropyLoss`` definition
+    (``label_smoothing / C`` on every class).
+
+    Masked classes (a logit of ``-inf``: a masked vocabulary, illegal actions) are treated
+    as absent from the vocabulary: the loss equals the loss over the remaining classes
+    alone, with the smoothing mass spread over those classes only; a masked class gets
+    no smoothing mass, contributes nothing to the loss and gets a zero gradient. A label
+    that points at a masked class gives a loss of ``+inf`` (the target has probability
+    0). A row whose every logit is ``-inf`` has no distribution: its loss is NaN, unless
+    the row is ignored with `ignore_index` (then 0, with a zero gradient). Mask with
+    ``-inf``, e.g. ``jnp.where(mask, logits, -jnp.inf)``: a large finite negative value
+    such as ``-1e9`` is an ordinary (if very unlikely) class and gets its share of the
+    smoothing.
 
     Args:
       logits: ``[..., C]``.
@@ -212,6 +225,10 @@ def softmax_cross_entropy(
         labels (0 when none is kept; PyTorch returns NaN there).
       reduction: ``'mean'``, ``'sum'`` or ``'none'`` (``[...]``).
 
+    Returns:
+      A scalar, or ``[...]`` with ``reduction='none'``; in the wider of the logits' dtype
+      and float32.
+
     Integer labels outside ``[0, C)`` (other than `ignore_index`) raise a `ValueError`
     when the labels are concrete; under ``jax.jit`` they cannot be checked, so the loss of
     such an example is NaN rather than a silently wrong number.
@@ -219,6 +236,9 @@ def softmax_cross_entropy(
     >>> import jax.numpy as jnp
     >>> logits = jnp.array([[0.0, 0.0], [0.0, 0.0]])
     >>> float(softmax_cross_entropy(logits, jnp.array([0, 1])))  # log(2)
+    0.6931...
+    >>> masked = jnp.array([[0.0, 0.0, -jnp.inf]])  # class 2 masked: as if C were 2
+    >>> float(softmax_cross_entropy(masked, jnp.array([0]), label_smoothing=0.1))
     0.6931...
     """
     name = "softmax_cross_entropy"
@@ -230,8 +250,19 @@ def softmax_cross_entropy(
         raise ValueError(f"{name}: label_smoothing must be in [0, 1), got {label_smoothing}.")
     num_classes = z.shape[-1]
     dt = _loss_dtype(z)
-    logp = jax.nn.log_softmax(z.astype(dt), axis=-1)
+    z = z.astype(dt)
+    zero = jnp.zeros((), dt)
+    valid = z != -jnp.inf  # masked classes (-inf) are left out of the distribution
+    any_valid = jnp.any(valid, axis=-1)
+    # A row with every class masked would make log_softmax NaN, and the NaN would leak
+    # into the gradient of the whole batch even when the row is ignored: compute such
+    # rows on zeros and set their loss afterwards.
+    z = jnp.where(any_valid[..., None], z, zero)
+    logp = jax.nn.log_softmax(z, axis=-1)
+    logp_valid = jnp.where(valid, logp, zero)  # 0 * -inf never happens below
+    n_valid = jnp.sum(valid.astype(dt), axis=-1)
     eps = jnp.asarray(label_smoothing, dt)
+    nan = jnp.asarray(jnp.nan, dt)
     if jnp.issubdtype(y.dtype, jnp.integer):
         if y.shape != z.shape[:-1]:
             raise ValueError(
@@ -253,10 +284,12 @@ def softmax_cross_entropy(
                 )
         safe = jnp.where(keep & in_range, y, 0)
         nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
-        smooth = -jnp.mean(logp, axis=-1)
-        per = (jnp.asarray(1.0, dt) - eps) * nll + eps * smooth
-        per = jnp.where(keep & ~in_range, jnp.asarray(jnp.nan, dt), per)
-        per = jnp.where(keep, per, jnp.zeros((), dt))
+        per = (jnp.asarray(1.0, dt) - eps) * nll
+        if label_smoothing:
+            smooth = -jnp.sum(logp_valid, axis=-1) / jnp.maximum(n_valid, jnp.ones((), dt))
+            per = per + eps * smooth
+        per = jnp.where(keep & ~(in_range & any_valid), nan, per)
+        per = jnp.where(keep, per, zero)
         if reduction == "mean":
             count = jnp.sum(keep.astype(dt))
             return jnp.sum(per) / jnp.maximum(count, jnp.ones((), dt))
@@ -269,29 +302,48 @@ def softmax_cross_entropy(
         )
     _same_shape(name, z, y, "logits", "labels")
     q = y.astype(dt)
-    q = (jnp.asarray(1.0, dt) - eps) * q + eps / jnp.asarray(num_classes, dt)
-    return _reduce(name, -jnp.sum(q * logp, axis=-1), reduction)
+    if label_smoothing:
+        spread = valid.astype(dt) / jnp.maximum(n_valid, jnp.ones((), dt))[..., None]
+        q = (jnp.asarray(1.0, dt) - eps) * q + eps * spread
+    # Masked classes add nothing (no 0 * -inf, in the value or in a gradient with respect
+    # to the labels); a target with mass on a masked class gives +inf.
+    per = -jnp.sum(q * logp_valid, axis=-1)
+    on_masked = jnp.any(~valid & (q != zero), axis=-1)
+    per = jnp.where(on_masked, jnp.asarray(jnp.inf, dt), per)
+    per = jnp.where(any_valid, per, nan)
+    return _reduce(name, per, reduction)
 
 
 def sigmoid_binary_cross_entropy(
     logits: ArrayLike, labels: ArrayLike, *, reduction: Reduction = "mean"
 ) -> jax.Array:
-    """Binary cross-entropy on logits (sigmoid inside), in the stable form
-    ``max(x, 0) - x * z + log(1 + exp(-|x|))`` (PyTorch ``BCEWithLogitsLoss``).
+    """Binary cross-entropy on logits (sigmoid inside), PyTorch's ``BCEWithLogitsLoss``.
+
+    ``loss = softplus(x) - x * z = max(x, 0) - x * z + log(1 + exp(-|x|))``, computed as
+    ``jax.nn.softplus(x) - x * z`` so that the gradient is ``sigmoid(x) - z`` at every
+    logit, exactly 0 included (the ``max``/``abs`` form splits the derivative at 0 and
+    gives ``-z`` there: a zero-initialized head would get a wrong first step), and finite
+    and saturating for logits of any magnitude.
 
     Args:
       logits: any shape ``[...]``.
       labels: targets in ``[0, 1]`` of the same shape (cast to the loss dtype).
       reduction: ``'mean'``, ``'sum'`` or ``'none'``.
 
-    >>> import jax.numpy as jnp
+    Returns:
+      A scalar, or ``[...]`` with ``reduction='none'``; in the wider of the inputs'
+      dtypes and float32 (a bf16 logit gets a float32 loss, its gradient comes back in
+      bf16).
+
+    >>> import jax, jax.numpy as jnp
     >>> float(sigmoid_binary_cross_entropy(jnp.array([0.0]), jnp.array([1.0])))  # log(2)
     0.6931...
+    >>> float(jax.grad(sigmoid_binary_cross_entropy)(jnp.array([0.0]), jnp.array([1.0]))[0])
+    -0.5
     """
     name = "sigmoid_binary_cross_entropy"
     x, z = jnp.asarray(logits), jnp.asarray(labels)
     _same_shape(name, x, z, "logits", "labels")
     dt = _loss_dtype(x, z)
     x, z = x.astype(dt), z.astype(dt)
-    per = jnp.maximum(x, jnp.zeros((), dt)) - x * z + jnp.log1p(jnp.exp(-jnp.abs(x)))
-    return _reduce(name, per, reduction)
+    return _reduce(name, jax.nn.softplus(x) - x * z, reduction)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import ArrayLike
 
 from blox.core import Params
 from blox.core._params import Path
@@ -25,9 +26,14 @@ __all__ = [
     "stack_batches",
     "steps_per_dispatch",
     "value_and_grad",
+    "weighted_mean",
+    "weighted_terms",
 ]
 
 Predicate = Callable[[Path, Any], bool]
+
+#: The aux-dict key under which a loss reports its weight (see `accumulate_gradients`).
+WEIGHT_KEY = "weight"
 
 _BAD_RETURN = (
     "value_and_grad: loss_fn must return (loss, params){aux}, the params being those the "
@@ -73,7 +79,128 @@ def _unpack(out: Any, has_aux: bool) -> tuple[jax.Array, Any, Params]:
             f"value_and_grad: the loss must be a floating scalar, got {loss.dtype} of shape "
             f"{tuple(loss.shape)}. Reduce it, e.g. jnp.mean(...) (blox.train losses do)."
         )
+    if isinstance(aux, dict) and WEIGHT_KEY in aux:
+        aux = dict(aux)
+        aux[WEIGHT_KEY] = _check_weight(aux[WEIGHT_KEY])
     return loss, aux, new_params
+
+
+def _check_weight(weight: Any) -> jax.Array:
+    w = jnp.asarray(weight)
+    if w.shape != () or not (
+        jnp.issubdtype(w.dtype, jnp.integer) or jnp.issubdtype(w.dtype, jnp.floating)
+    ):
+        raise ValueError(
+            f"value_and_grad: aux['{WEIGHT_KEY}'] is the loss's weight (the number of real "
+            "tokens or examples the loss averages over) and must be an integer or floating "
+            f"scalar, got {w.dtype} of shape {tuple(w.shape)}. Return e.g. "
+            f"{{'{WEIGHT_KEY}': jnp.sum(mask)}}, or rename the entry if it is another metric."
+        )
+    return w
+
+
+def _loss_weight(value: Any) -> jax.Array | None:
+    """The weight a loss reported: ``aux['weight']`` of a ``(loss, aux)`` value, else None."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        return value[1].get(WEIGHT_KEY)
+    return None
+
+
+def weighted_terms(value: Any, grads: Any) -> tuple[Any, Any, jax.Array]:
+    """The terms whose sums over microbatches or devices give the (weighted) mean.
+
+    The building block of `accumulate_gradients`, exposed for data-parallel steps: each
+    device computes ``value, grads`` on its shard, the terms are summed over the devices
+    with ``jax.lax.psum``, and `weighted_mean` divides. The result equals the full-batch
+    loss and gradients also when shards hold different numbers of real tokens, as long as
+    the loss reports its weight (``aux['weight']``, see `accumulate_gradients`)::
+
+        # inside jax.shard_map, params replicated (P()), the batch split over 'data'
+        params = jax.lax.pcast(params, 'data', to='varying')  # this device's own grads
+        (loss, aux), grads, params = grad_fn(params, *shard)
+        terms = jax.lax.psum(bx.weighted_terms((loss, aux), grads), 'data')
+        (loss, aux), grads = bx.weighted_mean(*terms)
+
+    (Without the ``pcast``, ``shard_map`` differentiates replicated params by summing
+    their gradients over the devices itself, and the ``psum`` would count them again.)
+
+    Without a weight the terms are ``value`` and ``grads`` themselves and the count is
+    1 (an int32 scalar), which gives the plain mean over parts. With a weight ``w``, every
+    floating leaf of the loss, of the aux (the weight excepted) and of the gradients is
+    multiplied by ``w``, and the count is ``w``. A part of weight 0 contributes exactly 0,
+    even if its loss is NaN (a mean over no tokens). Integer aux leaves, and the weight,
+    are left as they are, so their sums are totals.
+
+    Args:
+      value: ``loss`` (a floating scalar) or ``(loss, aux)``, as a `value_and_grad`
+        function returns it.
+      grads: the gradients (any pytree, e.g. the `Params` `value_and_grad` returns).
+
+    Returns:
+      ``(value_terms, grads_terms, count)``, the same trees plus a scalar.
+
+    >>> import jax.numpy as jnp
+    >>> value = (jnp.float32(2.0), {'weight': jnp.int32(3)})
+    >>> (loss, aux), grads, count = weighted_terms(value, {'w': jnp.ones(2)})
+    >>> float(loss), grads['w'].tolist(), int(count), int(aux['weight'])
+    (6.0, [3.0, 3.0], 3, 3)
+    """
+    w = _loss_weight(value)
+    if w is None:
+        return value, grads, jnp.ones((), jnp.int32)
+    w = jnp.asarray(w)
+
+    def weigh(x):
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            return x
+        return jnp.where(w != 0, w.astype(x.dtype) * x, jnp.zeros((), x.dtype))
+
+    return _map_value(weigh, value), jax.tree.map(weigh, grads), w
+
+
+def weighted_mean(value_sum: Any, grads_sum: Any, count_sum: ArrayLike) -> tuple[Any, Any]:
+    """Finishes a mean from summed `weighted_terms`: ``(value, grads)``.
+
+    Every floating leaf (the weight excepted) is divided by `count_sum`, the total
+    weight (or the number of parts, without a weight); integer leaves and the weight stay
+    sums (totals). A total weight of 0 (every part empty) gives 0 for the loss, the
+    floating aux and the gradients, not NaN.
+
+    Args:
+      value_sum: the summed value terms.
+      grads_sum: the summed gradient terms.
+      count_sum: the summed counts.
+
+    Returns:
+      ``(value, grads)`` with the structure `weighted_terms` was given.
+
+    >>> import jax, jax.numpy as jnp
+    >>> # two microbatches: mean loss 2.0 over 3 tokens, mean loss 5.0 over 1 token
+    >>> t1 = weighted_terms((jnp.float32(2.0), {'weight': jnp.int32(3)}), jnp.ones(()))
+    >>> t2 = weighted_terms((jnp.float32(5.0), {'weight': jnp.int32(1)}), jnp.ones(()))
+    >>> (loss, aux), grads = weighted_mean(*jax.tree.map(jnp.add, t1, t2))
+    >>> float(loss), int(aux['weight']), float(grads)  # loss: (3 * 2.0 + 1 * 5.0) / 4
+    (2.75, 4, 1.0)
+    """
+    count = jnp.asarray(count_sum)
+    zero = count == 0
+    safe = jnp.where(zero, jnp.ones((), count.dtype), count)
+
+    def div(x):
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            return x
+        return jnp.where(zero, jnp.zeros((), x.dtype), x / safe.astype(x.dtype))
+
+    weighted = _loss_weight(value_sum) is not None
+    value = _map_value(div, value_sum) if weighted else jax.tree.map(div, value_sum)
+    return value, jax.tree.map(div, grads_sum)
+
+
+def _map_value(fn: Callable[[jax.Array], jax.Array], value: Any) -> Any:
+    """Maps `fn` over the loss and aux leaves of a weighted value, the weight excepted."""
+    loss, aux = value
+    aux = {k: v if k == WEIGHT_KEY else jax.tree.map(fn, v) for k, v in aux.items()}
+    return fn(loss), aux
 
 
 def _restore_dtypes(new: Params, old: Params) -> Params:
@@ -104,7 +231,12 @@ def _grad_fn(
         loss, aux, new_params = _unpack(loss_fn(trainable.merge(non_trainable), *args), has_aux)
         if policy is not None:
             loss = loss.astype(policy.output_dtype)
-            aux = policy.cast_to_output(aux)
+            if isinstance(aux, dict) and WEIGHT_KEY in aux:  # a count: keep it exact
+                aux = {
+                    k: v if k == WEIGHT_KEY else policy.cast_to_output(v) for k, v in aux.items()
+                }
+            else:
+                aux = policy.cast_to_output(aux)
         new_nt = new_params.split(predicate)[1]
         new_nt = _restore_dtypes(new_nt, non_trainable)
         scaled = loss if scale is None else loss * scale.astype(loss.dtype)
@@ -167,7 +299,11 @@ def value_and_grad(
 
     Args:
       loss_fn: ``(params, *args) -> (loss, params)``; the loss a floating scalar.
-      has_aux: `loss_fn` returns ``((loss, aux), params)``.
+      has_aux: `loss_fn` returns ``((loss, aux), params)``. A dict aux may report the
+        loss's weight as ``aux['weight']`` (an integer or floating scalar: the real
+        tokens or examples the loss averages over), which `accumulate_gradients` and
+        data-parallel steps (`weighted_terms`) use to weight the mean; any other
+        shape raises a `ValueError`.
       predicate: ``(path, Param) -> bool`` choosing what is differentiated (default: the
         trainable flag, as `Params.split`). Use it to freeze part of a model.
       policy: a mixed-precision `Policy` (see there for what is cast where).
@@ -220,27 +356,25 @@ def _split_microbatches(args: tuple, k: int, where: str) -> tuple:
 
 
 def _accumulate(fn: Callable[..., Any], k: int, where: str) -> Callable[..., Any]:
-    """Wraps ``fn(params, *args) -> (value, grads, params)`` to average over k splits."""
+    """Wraps ``fn(params, *args) -> (value, grads, params)`` to average over k splits
+    (weighted by the loss's weight when it reports one)."""
 
     def f(params, *args):
         micro = _split_microbatches(args, k, where)
         first = jax.tree.map(lambda x: x[0], micro)
         value_shape, grads_shape, _ = jax.eval_shape(fn, params, *first)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (value_shape, grads_shape))
+        terms_shape = jax.eval_shape(weighted_terms, value_shape, grads_shape)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), terms_shape)
 
         def body(carry, mb):
-            value_sum, grads_sum, p = carry
+            sums, p = carry
             value, grads, p = fn(p, *mb)
-            value_sum = jax.tree.map(jnp.add, value_sum, value)
-            grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
-            return (value_sum, grads_sum, p), None
+            sums = jax.tree.map(jnp.add, sums, weighted_terms(value, grads))
+            return (sums, p), None
 
-        (value_sum, grads_sum, params), _ = jax.lax.scan(body, (*zeros, params), micro)
-
-        def mean(x):
-            return x / jnp.asarray(k, x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
-
-        return jax.tree.map(mean, value_sum), jax.tree.map(mean, grads_sum), params
+        (sums, params), _ = jax.lax.scan(body, (zeros, params), micro)
+        value, grads = weighted_mean(*sums)
+        return value, grads, params
 
     return f
 
@@ -252,24 +386,49 @@ def accumulate_gradients(grad_fn: Callable[..., Any], num_microbatches: int) -> 
     ``params`` is split along axis 0 into `num_microbatches` equal microbatches, which run
     one after the other in a ``jax.lax.scan`` (one compiled body, memory of one
     microbatch). The non-trainable state is threaded through the microbatches (the RNG
-    counter advances once per microbatch); the loss, the floating aux leaves and the
-    gradients returned are the means over microbatches, which equal the full-batch values
-    when the loss is a mean over examples (integer aux leaves, e.g. counts, are summed).
+    counter advances once per microbatch).
+
+    How the microbatches are combined (`weighted_terms`, then `weighted_mean`):
+
+    * Unweighted (the default): the loss, the floating aux leaves and the gradients
+      returned are the plain means over microbatches. They equal the full-batch values
+      when the loss is a mean over examples and every microbatch holds as many of them.
+    * Weighted: when `loss_fn` returns ``((loss, aux), params)`` (``has_aux=True``) with
+      ``aux['weight']`` a scalar (the number of real tokens or examples its loss
+      averages over, e.g. ``jnp.sum(mask)``), each microbatch counts in proportion to its
+      weight: ``loss = sum_i w_i * loss_i / sum_i w_i``, the same for the gradients and
+      the floating aux leaves, and ``aux['weight']`` is the total ``sum_i w_i``. For a
+      masked mean ``loss_i = sum(mask_i * l_i) / sum(mask_i)`` this is exactly the
+      full-batch masked mean, however unevenly padding falls on the microbatches. A
+      microbatch of weight 0 contributes 0 (even a NaN loss from a mean over no tokens);
+      if the total weight is 0, loss and gradients are 0.
+
+    Integer aux leaves (counts) are summed in both cases. The key ``'weight'`` in an aux
+    dict is reserved for this: name any other metric differently.
 
     Args:
       grad_fn: ``(params, *batch) -> (value, grads, params)``.
       num_microbatches: ``k``; must divide the leading axis of every batch leaf.
 
+    Returns:
+      ``f(params, *batch) -> (value, grads, params)``, the signature of `grad_fn`.
+
     >>> import blox as bx, jax.numpy as jnp
     >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
     >>> model = bx.Linear(g / 'fc', 1, rng)
     >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
+    >>> mask = jnp.array([1, 1, 1, 0, 0, 0, 0, 1], bool)  # microbatches of 2: 2, 1, 0, 1 real
     >>> params = model(rng.seed(bx.Params(), seed=0), x)[1].locked()
-    >>> def loss_fn(params, x, y):
+    >>> def loss_fn(params, x, y, mask):
     ...     y_hat, params = model(params, x)
-    ...     return bx.mse(y_hat, y), params
-    >>> loss, grads, params = bx.accumulate_gradients(bx.value_and_grad(loss_fn), 4)(
-    ...     params, x, y)
+    ...     per = bx.mse(y_hat, y, reduction='none')[:, 0]
+    ...     n = jnp.sum(mask)
+    ...     loss = jnp.sum(jnp.where(mask, per, 0.0)) / jnp.maximum(n, 1).astype(per.dtype)
+    ...     return (loss, {'weight': n}), params
+    >>> acc = bx.accumulate_gradients(bx.value_and_grad(loss_fn, has_aux=True), 4)
+    >>> (loss, aux), grads, params = acc(params, x, y, mask)
+    >>> int(aux['weight'])
+    4
     """
     k = _check_count(num_microbatches, "accumulate_gradients", "num_microbatches")
     if k == 1:
@@ -317,8 +476,16 @@ def make_train_step(
     skipping, weight decay and schedules belong in `tx` (an ``optax.chain``).
 
     ``metrics`` is ``{'loss': loss}``, plus the entries of `aux` when it is a dict (else
-    ``metrics['aux']``). The step is not jitted: wrap it, e.g.
-    ``jax.jit(step, donate_argnums=(0, 1))``.
+    ``metrics['aux']``). With `accumulation_steps`, the loss and floating aux are the
+    means over microbatches, weighted by ``aux['weight']`` when the loss reports one (see
+    `accumulate_gradients`; ``metrics['weight']`` is then the batch's total). The step is
+    not jitted: wrap it, e.g. ``jax.jit(step, donate_argnums=(0, 1))``.
+
+    Dtype promotion: ``tx.update`` and ``optax.apply_updates`` run under
+    ``jax.numpy_dtype_promotion('standard')``, because Optax itself mixes Python floats
+    with int32 step counters (``b1 ** count`` in Adam), which strict promotion rejects.
+    So the step works when traced under ``jax_numpy_dtype_promotion='strict'``; your
+    `loss_fn` (the model) still runs under the mode you set.
 
     With ``loss_scale=DynamicLossScale(...)`` (for float16) the step threads its state::
 
@@ -368,8 +535,13 @@ def make_train_step(
 
     def update(params, opt_state, grads):
         trainable, non_trainable = params.split(predicate)
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates).merge(non_trainable), opt_state
+        # Optax is not strict-promotion clean (adam's ``b1 ** count`` mixes a Python float
+        # with an int32 counter): its update runs under standard promotion, whatever mode
+        # the caller traces in. The loss function keeps the caller's mode.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(grads, opt_state, trainable)
+            trainable = optax.apply_updates(trainable, updates)
+        return trainable.merge(non_trainable), opt_state
 
     if loss_scale is None:
 

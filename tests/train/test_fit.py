@@ -16,8 +16,6 @@ import pytest
 import blox as bx
 from tests.tolerances import tol
 
-pytestmark = pytest.mark.standard_promotion  # Optax updates inside the step
-
 STEPS_PER_EPOCH = 4
 
 
@@ -209,12 +207,70 @@ def test_function_callbacks_and_callable_data():
         step,
         params,
         opt,
-        lambda epoch: batches[: epoch + 1],
+        lambda epoch: batches[:epoch],  # epochs are numbered from 1
         epochs=3,
         callbacks=[lambda state: seen.append((state.epoch, state.step))],
         progress=False,
     )
-    assert seen == [(0, 1), (1, 3), (2, 6)] and res.steps == 6
+    assert seen == [(1, 1), (2, 3), (3, 6)] and res.steps == 6
+
+
+def test_epochs_are_numbered_from_1_everywhere(tmp_path, capsys):
+    # One convention: FitState.epoch, train_data(epoch), the history rows, the CSV, the
+    # stdout line, EarlyStopping's epochs and its stop message all say 1, 2, 3, ...
+    params, opt, batches, step, _ = problem()
+    seen: dict[str, list] = {"begin": [], "step": [], "end": [], "data": []}
+
+    class Record(bx.Callback):
+        def on_train_begin(self, state):
+            seen["begin"].append(state.epoch)
+
+        def on_step_end(self, state):
+            seen["step"].append(state.epoch)
+
+        def on_epoch_end(self, state):
+            seen["end"].append((state.epoch, state.history.rows[-1]["epoch"]))
+
+    def data(epoch):
+        seen["data"].append(epoch)
+        return batches[:2]
+
+    stopper = bx.EarlyStopping("eval/score", patience=1)
+    csv_path = tmp_path / "m.csv"
+    res = bx.fit(
+        step,
+        params,
+        opt,
+        data,
+        epochs=5,
+        eval_fn=scripted_eval([3.0, 1.0, 2.0, 0.5, 0.1]),  # best at epoch 2, stop after 3
+        callbacks=[Record(), stopper],
+        loggers=[bx.CSVLogger(csv_path), bx.StdoutLogger()],
+        progress=False,
+    )
+    assert seen["begin"] == [0]  # before the first epoch
+    assert seen["data"] == [1, 2, 3]
+    assert seen["step"] == [1, 1, 2, 2, 3, 3]
+    assert seen["end"] == [(1, 1), (2, 2), (3, 3)]
+    assert [r["epoch"] for r in res.history.rows] == [1, 2, 3]
+    with open(csv_path) as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2, 3]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("epoch")]
+    assert [ln.split()[1] for ln in lines] == ["1", "2", "3"]
+    assert (stopper.best_epoch, stopper.stopped_epoch) == (2, 3)
+    assert res.stopped.endswith("(best 1 at epoch 2)")
+
+    # A stream: the data function is called once, with 1.
+    calls = []
+    bx.fit(
+        step,
+        *problem()[:2],
+        lambda epoch: calls.append(epoch) or iter(batches * 3),
+        epochs=2,
+        steps_per_epoch=2,
+        progress=False,
+    )
+    assert calls == [1]
 
 
 def test_plot_history_writes_a_png(tmp_path):

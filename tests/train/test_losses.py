@@ -7,6 +7,7 @@ float64 ``rtol=1e-10, atol=1e-12``); float64 runs inside ``jax.enable_x64(True)`
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +160,137 @@ def test_softmax_cross_entropy_one_hot_matches_numpy_and_optax(smoothing):
     )
 
 
+def _masked_problem(seed: int, batch: int = 6, classes: int = 7):
+    """Logits with some classes masked to -inf per row (never the label's class)."""
+    r = np.random.default_rng(seed)
+    logits = r.standard_normal((batch, classes))
+    labels = r.integers(0, classes, size=batch)
+    masked = r.uniform(size=(batch, classes)) < 0.4
+    masked[np.arange(batch), labels] = False
+    masked[0] = False  # one row without a mask
+    masked[1, :] = True  # one row with every class but the label masked
+    masked[1, labels[1]] = False
+    logits[masked] = -np.inf
+    return logits, labels, masked
+
+
+def _torch_on_remaining_classes(logits, labels, masked, smoothing, onehot=None):
+    """The reference: per row, torch's cross-entropy over the classes NOT masked (a
+    masked class is absent from the vocabulary); loss per row and d loss_row / d logits
+    scattered back (0 on masked classes)."""
+    losses, grads = [], np.zeros_like(logits)
+    for i in range(logits.shape[0]):
+        keep = np.flatnonzero(~masked[i])
+        z = torch.tensor(logits[i, keep][None], dtype=torch.float64, requires_grad=True)
+        if onehot is None:
+            target = torch.tensor([int(np.flatnonzero(keep == labels[i])[0])])
+        else:
+            target = torch.tensor(onehot[i, keep][None], dtype=torch.float64)
+        loss = torch.nn.functional.cross_entropy(z, target, label_smoothing=smoothing)
+        loss.backward()
+        losses.append(loss.item())
+        grads[i, keep] = z.grad.numpy()[0]
+    return np.asarray(losses), grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_softmax_cross_entropy_masked_classes_match_torch_on_the_remaining_classes(
+    dtype, smoothing
+):
+    logits, labels, masked = _masked_problem(20)
+    ref, ref_grad = _torch_on_remaining_classes(logits, labels, masked, smoothing)
+    b = logits.shape[0]
+
+    @jax.jit
+    def mean_loss(z, y):
+        return bx.softmax_cross_entropy(z, y, label_smoothing=smoothing)
+
+    @jax.jit
+    def per_row(z, y):
+        return bx.softmax_cross_entropy(z, y, label_smoothing=smoothing, reduction="none")
+
+    grad_fn = jax.jit(jax.grad(mean_loss))
+    with _x64(dtype):
+        z, y = jnp.asarray(logits, dtype), jnp.asarray(labels, jnp.int32)
+        _close(per_row(z, y), ref, dtype)
+        _close(mean_loss(z, y), ref.mean(), dtype)
+        grad = np.asarray(grad_fn(z, y))
+        assert np.all(np.isfinite(grad)) and np.all(grad[masked] == 0.0)
+        _close(grad, ref_grad / b, dtype)
+    if smoothing == 0.0:  # torch and optax on the full logits, -inf included, agree
+        tz = torch.tensor(logits, requires_grad=True)
+        full = torch.nn.functional.cross_entropy(tz, torch.from_numpy(labels))
+        full.backward()
+        np.testing.assert_allclose(full.item(), ref.mean(), rtol=1e-12)
+        np.testing.assert_allclose(tz.grad.numpy(), ref_grad / b, rtol=1e-12, atol=1e-15)
+        ref_optax = optax.losses.softmax_cross_entropy_with_integer_labels(
+            jnp.asarray(logits, jnp.float32), jnp.asarray(labels, jnp.int32)
+        )
+        _close(per_row(jnp.asarray(logits, jnp.float32), labels), ref_optax, "float32")
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_softmax_cross_entropy_masked_classes_one_hot_and_bf16(smoothing):
+    logits, labels, masked = _masked_problem(21)
+    r = np.random.default_rng(22)
+    soft = r.uniform(size=logits.shape) * ~masked  # probability targets on kept classes
+    soft /= soft.sum(-1, keepdims=True)
+    ref, ref_grad = _torch_on_remaining_classes(logits, labels, masked, smoothing, soft)
+    z = jnp.asarray(logits, jnp.float32)
+    out = bx.softmax_cross_entropy(z, jnp.asarray(soft, jnp.float32), label_smoothing=smoothing)
+    _close(out, ref.mean(), "float32")
+    grad = jax.grad(bx.softmax_cross_entropy)(
+        z, jnp.asarray(soft, jnp.float32), label_smoothing=smoothing
+    )
+    assert np.all(np.isfinite(grad))
+    _close(grad, ref_grad / logits.shape[0], "float32")
+
+    # bf16 logits: the loss is computed in float32 from the bf16 values, the gradient
+    # comes back in bf16.
+    z16 = jnp.asarray(logits, jnp.bfloat16)
+    exact = np.asarray(z16.astype(jnp.float32), np.float64)
+    ref16, ref16_grad = _torch_on_remaining_classes(exact, labels, masked, smoothing)
+    y = jnp.asarray(labels, jnp.int32)
+    _close(bx.softmax_cross_entropy(z16, y, label_smoothing=smoothing), ref16.mean(), "float32")
+    g16 = jax.grad(bx.softmax_cross_entropy)(z16, y, label_smoothing=smoothing)
+    assert g16.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(g16, np.float32)))
+    np.testing.assert_allclose(
+        np.asarray(g16, np.float32), ref16_grad / logits.shape[0], **tol("bfloat16")
+    )
+
+
+def test_softmax_cross_entropy_masked_edge_cases():
+    inf = np.inf
+    logits = jnp.array([[0.0, -inf, 1.0], [-inf, -inf, -inf], [-inf, -inf, -inf]])
+    labels = jnp.array([1, 0, -1], jnp.int32)  # label on a masked class; all masked twice
+    per = bx.softmax_cross_entropy(logits, labels, ignore_index=-1, reduction="none")
+    assert float(per[0]) == inf  # the target has probability 0
+    assert np.isnan(per[1])  # every class masked: no distribution
+    assert float(per[2]) == 0.0  # ... but an ignored row is simply ignored
+
+    # An ignored fully-masked row (padding) leaves the loss and gradient of the others
+    # untouched: compare with the kept row alone.
+    z = jnp.array([[0.5, -inf, 1.0], [-inf, -inf, -inf]])
+    y = jnp.array([2, -1], jnp.int32)
+    for smoothing in (0.0, 0.3):
+        loss_fn = functools.partial(
+            bx.softmax_cross_entropy, ignore_index=-1, label_smoothing=smoothing
+        )
+        loss, grad = jax.jit(jax.value_and_grad(loss_fn))(z, y)
+        ref, ref_grad = _torch_on_remaining_classes(
+            np.array([[0.5, -inf, 1.0]]),
+            np.array([2]),
+            np.array([[False, True, False]]),
+            smoothing,
+        )
+        _close(loss, ref[0], "float32")
+        _close(grad, np.concatenate([ref_grad, np.zeros((1, 3))]), "float32")
+    # One-hot mass on a masked class: +inf.
+    onehot = jnp.array([[0.0, 1.0, 0.0]])
+    assert float(bx.softmax_cross_entropy(jnp.array([[0.0, -inf, 1.0]]), onehot)) == inf
+
+
 def test_softmax_cross_entropy_out_of_range_label_is_nan_under_jit():
     logits = jnp.zeros((2, 3))
     out = jax.jit(lambda y: bx.softmax_cross_entropy(logits, y, reduction="none"))(
@@ -188,6 +320,43 @@ def test_sigmoid_binary_cross_entropy_matches_torch(dtype):
         ),
         ref_optax,
         "float32",
+    )
+
+
+# Logits from 0 (exactly) to far beyond float32's exp range, both signs.
+_BCE_LOGITS = [0.0, 1e-3, 0.5, 1.0, 5.0, 20.0, 40.0, 100.0, 1e4]
+_BCE_LOGITS = np.array(sorted({s * v for v in _BCE_LOGITS for s in (-1.0, 1.0)}))
+
+
+def _torch_bce(logits: np.ndarray, labels: np.ndarray):
+    """torch's BCEWithLogitsLoss in float64: the summed loss and its gradient."""
+    tx = torch.tensor(logits, dtype=torch.float64, requires_grad=True)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(
+        tx, torch.tensor(labels, dtype=torch.float64), reduction="sum"
+    )
+    loss.backward()
+    return loss.item(), tx.grad.numpy()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sigmoid_binary_cross_entropy_value_and_grad_match_torch_at_zero_and_far(dtype):
+    x = np.repeat(_BCE_LOGITS, 3)
+    z = np.tile([0.0, 0.3, 1.0], len(_BCE_LOGITS))
+    xj = jnp.asarray(x, dtype)
+    exact = np.asarray(xj.astype(jnp.float32), np.float64)  # the values bf16 holds
+    ref, ref_grad = _torch_bce(exact, z)
+    zj = jnp.asarray(z, jnp.float32)
+    loss, grad = jax.value_and_grad(bx.sigmoid_binary_cross_entropy)(xj, zj, reduction="sum")
+    _close(loss, ref, "float32")  # the loss is float32 for both input dtypes
+    _close(bx.sigmoid_binary_cross_entropy(xj, zj), ref / len(x), "float32")
+    assert grad.dtype == jnp.dtype(dtype)
+    # d loss / dx = sigmoid(x) - z, of magnitude <= 1 with the sum reduction.
+    np.testing.assert_allclose(np.asarray(grad, np.float64), ref_grad, **tol(dtype))
+    # At a logit of exactly 0 (a zero-initialized head) the gradient is 0.5 - z.
+    at_zero = exact == 0.0
+    assert at_zero.sum() == 3
+    np.testing.assert_allclose(
+        np.asarray(grad, np.float64)[at_zero], 0.5 - z[at_zero], rtol=tol(dtype)["rtol"], atol=0
     )
 
 

@@ -119,3 +119,82 @@ def test_ema_errors():
         bx.ema_update(_params(), 0.9)
     with pytest.raises(KeyError, match=r"without a source weight: \['net/w'\]"):
         bx.ema_params(params.split(lambda path, _: path != ("net", "w"))[0])
+
+
+def _bf16_params():
+    p = bx.Params()
+    r = np.random.default_rng(1)
+    p[("net", "w")] = bx.Param(jnp.asarray(r.standard_normal((4, 3)), jnp.bfloat16))
+    p[("net", "b")] = bx.Param(jnp.zeros((3,), jnp.bfloat16))
+    return p.locked()
+
+
+def test_ema_of_bf16_weights_moves_and_matches_a_float64_numpy_ema():
+    # In bf16, 0.999 rounds to 1.0: an EMA computed (or stored) in bf16 never moves.
+    params = bx.ema_init(_bf16_params())
+    assert params[("ema", "net", "w")].value.dtype == jnp.float32  # default storage
+    decay, steps = 0.999, 60
+
+    @jax.jit
+    def fake_step(params, t):
+        trainable, rest = params.split()
+        trainable = jax.tree.map(
+            lambda v: (v.astype(jnp.float32) + 0.02 + 0.01 * jnp.cos(t)).astype(v.dtype),
+            trainable,
+        )
+        return bx.ema_update(trainable.merge(rest), decay)
+
+    ema_ref = {k: np.asarray(params[k].value, np.float64) for k in params.split()[0].keys()}
+    for t in range(steps):
+        params = fake_step(params, jnp.asarray(float(t), jnp.float32))
+        for k in ema_ref:  # the reference averages the bf16 weights as they are stored
+            w = np.asarray(params[k].value.astype(jnp.float32), np.float64)
+            ema_ref[k] = decay * ema_ref[k] + (1 - decay) * w
+    for k, ref in ema_ref.items():
+        got = params[("ema", *k)].value
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, ref, **tol("float32"), err_msg=str(k))
+        # It moved: far more than float32 rounding from where it started.
+        start = np.asarray(_bf16_params()[k].value.astype(jnp.float32), np.float64)
+        assert np.min(np.abs(ref - start)) > 1e-2
+    assert bx.ema_params(params)[("net", "w")].value.dtype == jnp.bfloat16
+
+
+def test_ema_float64_weights_keep_float64():
+    with jax.enable_x64(True):
+        p = bx.Params()
+        p[("w",)] = bx.Param(jnp.asarray([1.0, -2.0], jnp.float64))
+        params = bx.ema_init(p.locked())
+        assert params[("ema", "w")].value.dtype == jnp.float64
+        ref = np.array([1.0, -2.0])
+        for t in range(5):
+            trainable, rest = params.split()
+            trainable = jax.tree.map(lambda v: v + 0.1, trainable)
+            params = bx.ema_update(trainable.merge(rest), 0.999)
+            ref = 0.999 * ref + 0.001 * (np.array([1.0, -2.0]) + 0.1 * (t + 1))
+        np.testing.assert_allclose(params[("ema", "w")].value, ref, **tol("float64"))
+
+
+def test_ema_explicit_storage_dtype():
+    # bf16 storage by request; the arithmetic still runs in float32, then rounds to bf16.
+    params = bx.ema_init(_params(), dtype="bfloat16")
+    assert params[("ema", "net", "w")].value.dtype == jnp.bfloat16
+    w0 = np.asarray(params[("net", "w")].value, np.float64)
+    ema0 = np.asarray(params[("ema", "net", "w")].value.astype(jnp.float32), np.float64)
+    trainable, rest = params.split()
+    trainable = jax.tree.map(lambda v: v + 1.0, trainable)
+    new = bx.ema_update(trainable.merge(rest), 0.5)
+    got = new[("ema", "net", "w")].value
+    assert got.dtype == jnp.bfloat16
+    expected = 0.5 * ema0 + 0.5 * (w0 + 1.0)
+    np.testing.assert_allclose(np.asarray(got, np.float64), expected, **tol("bfloat16"))
+
+
+def test_ema_dtype_and_decay_errors():
+    with pytest.raises(ValueError, match=r"dtype='int32' is not a floating dtype"):
+        bx.ema_init(_params(), dtype="int32")
+    params = bx.ema_init(_params())
+    with pytest.raises(ValueError, match=r"decay must be in \[0, 1\], got 1.5"):
+        bx.ema_update(params, 1.5)
+    with pytest.raises(ValueError, match=r"decay must be a scalar, got shape \(2,\)"):
+        bx.ema_update(params, jnp.array([0.9, 0.9]))
