@@ -10,21 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from blox.core import Graph, Params, Rng
-from blox.nn._linear import compute_dtype
-from blox.nn._norm import AffineNorm
+from blox.nn._norm import AffineNorm, stats_dtype
 
 __all__ = ["BatchNorm", "GroupNorm"]
 
 _ones = jax.nn.initializers.ones
 _zeros = jax.nn.initializers.zeros
-
-_UNBOUND_AXIS = (
-    "{kind} '{path}': axis_name={axis!r} is not bound here, so the batch statistics cannot "
-    "be averaged over it. Call the model inside a transform that names that axis, e.g.\n"
-    "    jax.shard_map(step, mesh=mesh, in_specs=..., out_specs=...)  # mesh axis {axis!r}\n"
-    "    jax.vmap(step, axis_name={axis!r})\n"
-    "or build the layer with axis_name=None for single-device statistics."
-)
 
 
 def _channel_axis(kind: str, path: str, x: jax.Array, channels_first: bool) -> int:
@@ -87,10 +78,19 @@ class BatchNorm(AffineNorm):
       rng: an `Rng` for random initializers (not needed for the defaults).
       channels_first: inputs are ``(B, C, ...)`` (PyTorch layout) instead of
         ``(B, ..., C)``.
-      dtype: the compute dtype; default: the promotion of the input dtype and the
-        stored parameter dtype (float32 params with bf16 inputs compute in float32).
-        The output has the compute dtype; running statistics keep their stored dtype.
+      dtype: the compute and output dtype; default: the promotion of the input dtype
+        and the stored ``scale``/``bias`` dtype (the input dtype without them). The
+        running statistics do not take part: bf16 inputs with bf16 ``scale``/``bias``
+        (what a bf16 `Policy` passes) return bf16, float32 ones with a bf16 input
+        return float32.
       param_dtype: the dtype parameters are created in (default float32).
+
+    Dtype policy: the batch mean and variance, the running-statistics update and the
+    normalization are computed in float32 for bf16/f16 inputs or outputs (float64 if
+    either is float64), then cast: the output to the compute dtype, the running
+    statistics to their stored dtype. So one float16 activation far from the batch
+    mean (whose square overflows float16) neither zeroes the output nor makes
+    ``running_var`` infinite.
 
     Parameters (``C`` channels):
       ``<path>/scale`` ``(C,)`` trainable (if ``use_scale``),
@@ -142,56 +142,9 @@ class BatchNorm(AffineNorm):
         self._set_affine(
             epsilon, use_scale, use_bias, scale_init, bias_init, rng, dtype, param_dtype
         )
-        if axis_index_groups is not None and axis_name is None:
-            raise ValueError(
-                f"BatchNorm '{self.path_str}': axis_index_groups needs an axis_name; pass "
-                "axis_name='<mesh axis>' too, or drop axis_index_groups."
-            )
+        self._set_axis(axis_name, axis_index_groups)
         self.momentum = float(momentum)
-        self.axis_name = axis_name
-        self.axis_index_groups = (
-            None
-            if axis_index_groups is None
-            else tuple(tuple(int(i) for i in grp) for grp in axis_index_groups)
-        )
         self.channels_first = channels_first
-
-    # -- statistics over devices ---------------------------------------------------
-
-    def _axis_size(self) -> int:
-        names = self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
-        size = 1
-        for name in names:
-            try:
-                size *= int(jax.lax.axis_size(name))
-            except NameError as e:
-                raise ValueError(
-                    _UNBOUND_AXIS.format(kind="BatchNorm", path=self.path_str, axis=name)
-                ) from e
-        return size
-
-    def _group_matrix(self, axis_size: int) -> tuple[np.ndarray, int]:
-        groups = self.axis_index_groups or ()
-        flat = sorted(i for grp in groups for i in grp)
-        sizes = {len(grp) for grp in groups}
-        if flat != list(range(axis_size)) or len(sizes) != 1:
-            raise ValueError(
-                f"BatchNorm '{self.path_str}': axis_index_groups={groups} must split the "
-                f"{axis_size} indices of axis {self.axis_name!r} into groups of equal size, "
-                "each index exactly once, e.g. [[0, 1], [2, 3]] for 4 devices."
-            )
-        weights = np.zeros((axis_size, axis_size))
-        for grp in groups:
-            for i in grp:
-                weights[i, list(grp)] = 1.0 / len(grp)
-        return weights, sizes.pop()
-
-    def _mean_over_devices(self, v: jax.Array, weights: np.ndarray | None) -> jax.Array:
-        if weights is None:
-            return jax.lax.pmean(v, self.axis_name)
-        gathered = jax.lax.all_gather(v, self.axis_name)  # (devices, C)
-        row = jnp.asarray(weights, v.dtype)[jax.lax.axis_index(self.axis_name)]
-        return jnp.dot(row, gathered)
 
     # -- call --------------------------------------------------------------------------
 
@@ -213,17 +166,13 @@ class BatchNorm(AffineNorm):
         r_var, params = self.get_param(
             params, "running_var", (c,), _ones, dtype=pd, trainable=False, rng=self.rng
         )
-        cd = compute_dtype(x, r_mean.dtype, self.dtype)
-        xc = x.astype(cd)
+        out_dtype = self._out_dtype(x, scale, bias)
+        sd = stats_dtype(x.dtype, out_dtype)
+        xs = x.astype(sd)
 
         if is_training:
-            n = int(np.prod([x.shape[i] for i in reduce_axes], dtype=np.int64))
-            weights = None
-            if self.axis_name is not None:
-                size = self._axis_size()
-                if self.axis_index_groups is not None:
-                    weights, size = self._group_matrix(size)
-                n *= size
+            device_mean, devices = self._device_mean()
+            n = int(np.prod([x.shape[i] for i in reduce_axes], dtype=np.int64)) * devices
             if n < 2:
                 raise ValueError(
                     f"BatchNorm '{self.path_str}': training needs more than one value per "
@@ -231,31 +180,27 @@ class BatchNorm(AffineNorm):
                     "Use a larger batch, or is_training=False to normalize with the "
                     "running statistics."
                 )
-            mean = jnp.mean(xc, axis=reduce_axes)
-            if self.axis_name is not None:
-                mean = self._mean_over_devices(mean, weights)
-            centred = xc - mean.reshape(bshape)
-            var = jnp.mean(jnp.square(centred), axis=reduce_axes)
-            if self.axis_name is not None:
-                var = self._mean_over_devices(var, weights)
+            mean = device_mean(jnp.mean(xs, axis=reduce_axes))
+            centred = xs - mean.reshape(bshape)
+            var = device_mean(jnp.mean(jnp.square(centred), axis=reduce_axes))
             m = self.momentum
             stats_mean = jax.lax.stop_gradient(mean)
             stats_var = jax.lax.stop_gradient(var) * (n / (n - 1))
-            new_mean = m * r_mean.astype(cd) + (1.0 - m) * stats_mean
-            new_var = m * r_var.astype(cd) + (1.0 - m) * stats_var
+            new_mean = m * r_mean.astype(sd) + (1.0 - m) * stats_mean
+            new_var = m * r_var.astype(sd) + (1.0 - m) * stats_var
             params = self.set_param(params, "running_mean", new_mean.astype(r_mean.dtype))
             params = self.set_param(params, "running_var", new_var.astype(r_var.dtype))
         else:
-            centred = xc - r_mean.astype(cd).reshape(bshape)
-            var = r_var.astype(cd)
+            centred = xs - r_mean.astype(sd).reshape(bshape)
+            var = r_var.astype(sd)
 
-        inv = jax.lax.rsqrt(var + jnp.asarray(self.epsilon, cd))
+        inv = jax.lax.rsqrt(var + jnp.asarray(self.epsilon, sd))
         if scale is not None:
-            inv = inv * scale.astype(cd)
+            inv = inv * scale.astype(sd)
         y = centred * inv.reshape(bshape)
         if bias is not None:
-            y = y + bias.astype(cd).reshape(bshape)
-        return y, params
+            y = y + bias.astype(sd).reshape(bshape)
+        return y.astype(out_dtype), params
 
 
 class GroupNorm(AffineNorm):
@@ -273,19 +218,27 @@ class GroupNorm(AffineNorm):
       num_groups: the number of groups; must divide ``C`` (``C`` groups is instance
         norm, 1 group normalizes each example over everything, like LayerNorm over all
         non-batch axes).
-      epsilon: added to the variance before the square root.
+      rng: an `Rng` for random initializers (not needed for the defaults).
+      epsilon: added to the variance before the square root (keyword-only, as all that
+        follow).
       use_scale: learn a per-channel ``scale`` (PyTorch ``weight``).
       use_bias: learn a per-channel ``bias``. PyTorch's ``affine=False`` is
         ``use_scale=False, use_bias=False``.
       scale_init: initializer of ``scale`` (default ones).
       bias_init: initializer of ``bias`` (default zeros).
-      rng: an `Rng` for random initializers (not needed for the defaults).
       channels_first: inputs are ``(B, C, ...)`` instead of ``(B, ..., C)``.
-      dtype: the compute dtype; default: the promotion of the input dtype and the
-        parameter dtype (the input dtype when there are no parameters).
+      dtype: the compute and output dtype; default: the promotion of the input dtype
+        and the stored parameter dtype (the input dtype when there are no parameters).
       param_dtype: the dtype parameters are created in (default float32).
 
-    Parameters: ``<path>/scale`` ``(C,)`` and ``<path>/bias`` ``(C,)``, trainable.
+    Dtype policy: the group mean, the variance and the normalization are computed in
+    float32 for bf16/f16 inputs or outputs (float64 if either is float64), then cast to
+    the output dtype. So a float16 activation far from its group mean (whose square
+    overflows float16) still normalizes correctly, and bf16 inputs with bf16
+    parameters (a bf16 `Policy`) return bf16, rounded once.
+
+    Parameters: ``<path>/scale`` ``(C,)`` and ``<path>/bias`` ``(C,)``, trainable (each
+    only if used).
 
     >>> import blox as bx, jax.numpy as jnp
     >>> gn = bx.GroupNorm(bx.Graph('net') / 'gn', num_groups=2)
@@ -300,13 +253,13 @@ class GroupNorm(AffineNorm):
         self,
         graph: Graph,
         num_groups: int,
+        rng: Rng | None = None,
+        *,
         epsilon: float = 1e-5,
         use_scale: bool = True,
         use_bias: bool = True,
         scale_init: Callable = _ones,
         bias_init: Callable = _zeros,
-        rng: Rng | None = None,
-        *,
         channels_first: bool = False,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
@@ -337,21 +290,18 @@ class GroupNorm(AffineNorm):
             )
         bshape = _bcast_shape(x.ndim, ax, c)
         scale, bias, params = self._scale_bias(params, c)
-        stored = scale if scale is not None else bias
-        if stored is not None:
-            cd = compute_dtype(x, stored.dtype, self.dtype)
-        else:
-            cd = jnp.dtype(self.dtype) if self.dtype is not None else x.dtype
+        out_dtype = self._out_dtype(x, scale, bias)
+        sd = stats_dtype(x.dtype, out_dtype)
         # Split the channel axis into (groups, channels per group) and reduce over every
         # axis except the batch axis and the group axis.
-        grouped = x.astype(cd).reshape(x.shape[:ax] + (g, c // g) + x.shape[ax + 1 :])
+        grouped = x.astype(sd).reshape(x.shape[:ax] + (g, c // g) + x.shape[ax + 1 :])
         reduce_axes = tuple(i for i in range(1, grouped.ndim) if i != ax)
         mean = jnp.mean(grouped, axis=reduce_axes, keepdims=True)
         centred = grouped - mean
         var = jnp.mean(jnp.square(centred), axis=reduce_axes, keepdims=True)
-        y = (centred * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, cd))).reshape(x.shape)
+        y = (centred * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, sd))).reshape(x.shape)
         if scale is not None:
-            y = y * scale.astype(cd).reshape(bshape)
+            y = y * scale.astype(sd).reshape(bshape)
         if bias is not None:
-            y = y + bias.astype(cd).reshape(bshape)
-        return y, params
+            y = y + bias.astype(sd).reshape(bshape)
+        return y.astype(out_dtype), params

@@ -179,6 +179,15 @@ def _counts(size: int, window: int, stride: int, lo: int, out: int) -> np.ndarra
     return (np.minimum(start + window, size) - np.maximum(start, 0)).astype(np.float64)
 
 
+def _accumulation_dtype(dtype: Any) -> np.dtype:
+    """float32 for the half-precision floats (a bf16 sum of 9 values is off by ~3 ulp),
+    else the dtype itself (float32, float64, complex)."""
+    dtype = np.dtype(dtype)
+    if dtype in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+        return np.dtype(np.float32)
+    return dtype
+
+
 def avg_pool(
     x: jax.Array,
     window_shape: int | Sequence[int],
@@ -204,7 +213,11 @@ def avg_pool(
       channels_first: NCHW-style input.
 
     Returns:
-      The pooled array, same dtype as `x` (the sum is accumulated in that dtype).
+      The pooled array, same dtype as `x`.
+
+    Dtype policy: for bf16/f16 inputs the window sums and the division are computed in
+    float32 and the mean is rounded to the input dtype once (as PyTorch does); other
+    dtypes are computed in their own dtype.
 
     >>> import blox as bx, jax.numpy as jnp
     >>> x = jnp.ones((1, 3, 3, 1))
@@ -223,17 +236,21 @@ def avg_pool(
     window, strides_, pads, axes, spatial = _plan(
         where, x, window_shape, strides, padding, channels_first
     )
-    summed = lax.reduce_window(x, np.array(0, np.dtype(x.dtype)), lax.add, window, strides_, pads)
+    acc = _accumulation_dtype(x.dtype)
+    xs = x.astype(acc)
+    summed = lax.reduce_window(xs, np.array(0, acc), lax.add, window, strides_, pads)
     padded = any(pads[a] != (0, 0) for a in axes)
     if count_include_pad or not padded:
-        return summed / jnp.array(np.prod([window[a] for a in axes]), x.dtype)
+        mean = summed / jnp.array(np.prod([window[a] for a in axes]), acc)
+        return mean.astype(x.dtype)
     counts = np.ones((), np.float64)
     for a, size in zip(axes, spatial, strict=True):
         c = _counts(size, window[a], strides_[a], pads[a][0], summed.shape[a])
         counts = np.multiply.outer(counts, c)
     if not channels_first:
         counts = counts[..., None]  # the channel axis
-    return summed / jnp.broadcast_to(jnp.asarray(counts, x.dtype), summed.shape)
+    mean = summed / jnp.broadcast_to(jnp.asarray(counts, acc), summed.shape)
+    return mean.astype(x.dtype)
 
 
 def _spatial_axes(where: str, x: jax.Array, num_spatial_dims: int, channels_first: bool):
@@ -269,13 +286,23 @@ def global_avg_pool(
       channels_first: NCHW-style input.
       keepdims: keep the spatial axes with size 1.
 
+    Returns:
+      The mean, same dtype as a floating `x` (integer inputs give a float mean, as
+      ``jnp.mean``).
+
+    Dtype policy: bf16/f16 inputs are summed and divided in float32 and rounded to the
+    input dtype once; other dtypes in their own dtype.
+
     >>> import blox as bx, jax.numpy as jnp
     >>> bx.global_avg_pool(jnp.ones((8, 7, 7, 32))).shape
     (8, 32)
     """
     x = jnp.asarray(x)
     axes = _spatial_axes("global_avg_pool", x, num_spatial_dims, channels_first)
-    return jnp.mean(x, axis=axes, keepdims=keepdims)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.mean(x, axis=axes, keepdims=keepdims)  # integers: a float mean
+    acc = _accumulation_dtype(x.dtype)
+    return jnp.mean(x.astype(acc), axis=axes, keepdims=keepdims).astype(x.dtype)
 
 
 def global_max_pool(

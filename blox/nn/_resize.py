@@ -119,15 +119,16 @@ def resize(
 def upsample(
     x: jax.typing.ArrayLike,
     scale_factor: float | Sequence[float] = 2,
-    method: str = "nearest",
     *,
+    method: str = "nearest",
     channels_first: bool = False,
 ) -> jax.Array:
     """Upsamples the spatial axes by `scale_factor` (default: nearest, x2): ``resize(x,
     scale_factor=scale_factor, method=method)``, the FPN/YOLO ``nn.Upsample``.
 
     Shapes: ``(B, *spatial, C)`` -> ``(B, *(spatial * scale_factor), C)`` (or channels
-    first). See `resize` for the sampling convention.
+    first). See `resize` for the sampling convention; ``method`` (keyword-only) is one
+    of its methods.
 
     >>> import blox as bx, jax.numpy as jnp
     >>> bx.upsample(jnp.ones((2, 5, 5, 8))).shape

@@ -3,7 +3,9 @@
 References: PyTorch CPU (``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``) with the
 weights copied across, forward and gradients; NumPy for the positional tables.
 Tolerances: ``tests/tolerances.py`` ``tol(dtype)`` (f32 rtol 1e-5 / atol 1e-6, f64 rtol
-1e-10 / atol 1e-12); float64 inside ``jax.enable_x64(True)``.
+1e-10 / atol 1e-12); float64 inside ``jax.enable_x64(True)``. Gradients of the grouped
+cross-device norms use rtol 1e-4 / atol 1e-5 in float32 (a normalization's backward
+subtracts nearly equal sums, taken in a different order than PyTorch's).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import blox as bx
 from tests.nn.test_reference_torch import (
@@ -224,6 +228,130 @@ def test_norm_cross_device_statistics_with_axis_name():
     np.testing.assert_allclose(y_ln, (xf - mean) / np.sqrt(var + 1e-5), **tol(jnp.float32))
     ms = (xf**2).mean(axis=(0, 2), keepdims=True)
     np.testing.assert_allclose(y_rms, xf / np.sqrt(ms + 1e-5), **tol(jnp.float32))
+
+
+GROUPS = [[0, 2, 4, 6], [1, 3, 5, 7]]  # interleaved, so an order mix-up shows
+
+
+def _grouped_norm_case(kind):
+    """A norm averaging over axis 'data' within GROUPS, its params (non-trivial scale and
+    bias), 8 lanes of (2, 3) inputs and a cotangent."""
+    g = bx.Graph("net")
+    cls = bx.LayerNorm if kind == "layer" else bx.RMSNorm
+    norm = cls(g / "n", axis_name="data", axis_index_groups=GROUPS)
+    _, params = cls(bx.Graph("net") / "n")(bx.Params(), jnp.zeros((2, 3)))  # same paths
+    weights = {("net", "n", "scale"): np.array([0.5, 1.0, 1.5], np.float32)}
+    if kind == "layer":
+        weights[("net", "n", "bias")] = np.array([-0.3, 0.0, 0.2], np.float32)
+    params = _load(params, weights)
+    rs = np.random.default_rng(4)
+    x = (2.0 + 3.0 * rs.standard_normal((8, 2, 3))).astype(np.float32)
+    r = rs.standard_normal((8, 2, 3)).astype(np.float32)
+    return norm, params, weights, x, r
+
+
+def _torch_grouped(kind, weights, x, r):
+    """Per group: torch's norm over the concatenated features of the group's lanes
+    (scale and bias tiled), forward and d/dx, scattered back to (8, 2, 3); the scale and
+    bias gradients summed over lanes, as the shared parameters receive them."""
+    y = np.zeros(x.shape)
+    gx = np.zeros(x.shape)
+    g_w = {path: np.zeros(3) for path in weights}
+    for grp in GROUPS:
+        xg = torch.tensor(np.concatenate(list(x[grp]), axis=-1), dtype=torch.float64)
+        xg.requires_grad_(True)
+        w = torch.tensor(np.tile(weights[("net", "n", "scale")], 4), dtype=torch.float64)
+        w.requires_grad_(True)
+        if kind == "layer":
+            b = torch.tensor(np.tile(weights[("net", "n", "bias")], 4), dtype=torch.float64)
+            b.requires_grad_(True)
+            yg = torch.nn.functional.layer_norm(xg, (12,), w, b, eps=1e-5)
+        else:
+            yg = torch.nn.functional.rms_norm(xg, (12,), w, eps=1e-5)
+        rg = torch.tensor(np.concatenate(list(r[grp]), axis=-1), dtype=torch.float64)
+        (yg * rg).sum().backward()
+        y[grp] = np.stack(np.split(_np(yg), 4, axis=-1))
+        gx[grp] = np.stack(np.split(_np(xg.grad), 4, axis=-1))
+        g_w[("net", "n", "scale")] += _np(w.grad).reshape(4, 3).sum(0)
+        if kind == "layer":
+            g_w[("net", "n", "bias")] += _np(b.grad).reshape(4, 3).sum(0)
+    return y, gx, g_w
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_norm_axis_index_groups_under_vmap_match_numpy_group_statistics(kind):
+    """axis_name + axis_index_groups under jax.vmap (JAX's own pmean has no groups
+    there): each lane normalizes with the statistics of its group's lanes. Forward
+    against NumPy statistics per group; d/dx, d/dscale, d/dbias against PyTorch over the
+    group's concatenated features."""
+    norm, params, weights, x, r = _grouped_norm_case(kind)
+    y = jax.vmap(lambda v: norm(params, v)[0], axis_name="data")(jnp.asarray(x))
+    xf = x.astype(np.float64)
+    scale = weights[("net", "n", "scale")].astype(np.float64)
+    expected = np.zeros(x.shape)
+    for grp in GROUPS:
+        xg = xf[grp]  # (4 lanes, 2 rows, 3 features): statistics per row
+        if kind == "layer":
+            mean = xg.mean(axis=(0, 2), keepdims=True)
+            var = ((xg - mean) ** 2).mean(axis=(0, 2), keepdims=True)
+            bias = weights[("net", "n", "bias")].astype(np.float64)
+            expected[grp] = (xg - mean) / np.sqrt(var + 1e-5) * scale + bias
+        else:
+            ms = (xg**2).mean(axis=(0, 2), keepdims=True)
+            expected[grp] = xg / np.sqrt(ms + 1e-5) * scale
+    np.testing.assert_allclose(y, expected, **tol(jnp.float32))
+
+    def loss(train, rest, x):
+        ys = jax.vmap(lambda v: norm(train.merge(rest), v)[0], axis_name="data")(x)
+        return jnp.sum(ys * jnp.asarray(r))
+
+    train, rest = params.split()
+    g_train, g_x = jax.jit(jax.grad(loss, argnums=(0, 2)))(train, rest, jnp.asarray(x))
+    y_t, gx_t, gw_t = _torch_grouped(kind, weights, x, r)
+    np.testing.assert_allclose(y, y_t, **tol(jnp.float32))
+    np.testing.assert_allclose(g_x, gx_t, rtol=1e-4, atol=1e-5, err_msg="d/dx")
+    for path, ref in gw_t.items():
+        np.testing.assert_allclose(g_train[path].value, ref, rtol=1e-4, atol=1e-5, err_msg=path)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_norm_axis_index_groups_under_shard_map_over_8_devices(kind):
+    """The same under jax.shard_map: the features split over 8 devices (each holds 3 of
+    the 24), statistics averaged within GROUPS of devices; equals the vmap run above,
+    which is checked against NumPy and PyTorch."""
+    norm, params, _, x, _ = _grouped_norm_case(kind)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    wide = np.concatenate(list(x), axis=-1)  # (2, 24): device i holds x[i]
+    y = jax.jit(
+        jax.shard_map(
+            lambda p, v: norm(p, v)[0],
+            mesh=mesh,
+            in_specs=(P(), P(None, "data")),
+            out_specs=P(None, "data"),
+        )
+    )(params, jnp.asarray(wide))
+    y_vmap = jax.vmap(lambda v: norm(params, v)[0], axis_name="data")(jnp.asarray(x))
+    np.testing.assert_allclose(
+        y, np.concatenate(list(np.asarray(y_vmap)), axis=-1), **tol(jnp.float32)
+    )
+
+
+def test_norm_axis_errors_name_the_layer_and_the_fix():
+    g = bx.Graph("net")
+    with pytest.raises(ValueError, match=r"LayerNorm 'net/a': axis_index_groups needs an axis"):
+        bx.LayerNorm(g / "a", axis_index_groups=[[0, 1]])
+    with pytest.raises(ValueError, match=r"RMSNorm 'net/b': axis_index_groups needs an axis"):
+        bx.RMSNorm(g / "b", axis_index_groups=[[0, 1]])
+    _, params = bx.LayerNorm(bx.Graph("net") / "ln")(bx.Params(), jnp.zeros((2, 3)))
+    bad = bx.LayerNorm(g / "ln", axis_name="data", axis_index_groups=[[0, 1, 2], [3]])
+    with pytest.raises(ValueError, match=r"'net/ln': axis_index_groups=.*4 indices.*equal size"):
+        jax.vmap(lambda v: bad(params, v)[0], axis_name="data")(jnp.ones((4, 2, 3)))
+    unbound = bx.LayerNorm(bx.Graph("net") / "ln", axis_name="data")
+    msg = r"(?s)LayerNorm 'net/ln': axis_name='data' is not bound.*jax.vmap.*axis_name=None"
+    with pytest.raises(ValueError, match=msg):
+        unbound(params, jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=msg):
+        jax.vmap(lambda v: unbound(params, v)[0], axis_name="other")(jnp.ones((4, 2, 3)))
 
 
 def test_norm_errors():

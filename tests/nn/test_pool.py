@@ -7,7 +7,9 @@ are applied with ``F.pad`` (``-inf`` for max pooling, zeros for average pooling)
 by an unpadded PyTorch pool; average pooling that excludes padding divides PyTorch's window
 sums of the zero-padded input by its window sums of a zero-padded mask of ones. ``'SAME'``
 pads are written out here from the documented rule (output ``ceil(n / s)``, odd cell high;
-``'SAME_LOWER'``: low). Tolerances: ``tests/tolerances.py``.
+``'SAME_LOWER'``: low). Tolerances: ``tests/tolerances.py``. Half-precision average
+pooling is held to PyTorch's own bf16/fp16 error (both measured against float64 on the
+same half-precision values), not to a fixed tolerance.
 """
 
 from __future__ import annotations
@@ -228,6 +230,86 @@ def test_dtypes_are_kept():
     assert int(bx.min_pool(x, (2, 2), 1, padding=1)[0, 0, 0, 0]) == 0
     xb = x.astype(jnp.bfloat16)
     assert bx.avg_pool(xb, (2, 2)).dtype == jnp.bfloat16
+
+
+HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _errors(actual, exact) -> tuple[float, float]:
+    err = np.abs(np.asarray(actual, np.float64) - exact)
+    return float(err.mean()), float(err.max())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "padding, count_include_pad", [(0, True), (1, False), (1, True)], ids=["valid", "excl", "incl"]
+)
+def test_avg_pool_half_precision_error_is_no_worse_than_torch(dtype, padding, count_include_pad):
+    """3x3 windows, stride 1, on half-precision inputs: the forward and d/dx errors
+    against float64 (PyTorch in float64 on the same half values) are no larger than
+    PyTorch's own half-precision errors. blox sums in float32 and rounds once; summing
+    in bf16 gave 2-4x PyTorch's forward error."""
+    rs = np.random.default_rng(0)
+    x = torch.tensor(rs.standard_normal((2, 4, 12, 12)) * 2.0 + 1.0).to(HALF[dtype])
+    out = 12 - 2 + 2 * padding
+    ct = torch.tensor(rs.standard_normal((2, 4, out, out))).to(HALF[dtype])
+    kw = dict(count_include_pad=count_include_pad)
+
+    x64 = x.double().requires_grad_(True)
+    exact = F.avg_pool2d(x64, 3, 1, padding, **kw)
+    (exact * ct.double()).sum().backward()
+    x_half = x.clone().requires_grad_(True)
+    y_torch = F.avg_pool2d(x_half, 3, 1, padding, **kw)
+    (y_torch * ct).sum().backward()
+
+    def pool(v):
+        return bx.avg_pool(v, (3, 3), 1, padding, channels_first=True, **kw)
+
+    xb = jnp.asarray(x.double().numpy(), dtype)
+    y = pool(xb)
+    grad = jax.grad(lambda v: jnp.sum(pool(v) * jnp.asarray(ct.double().numpy(), dtype)))(xb)
+    assert y.dtype == grad.dtype == jnp.dtype(dtype)
+    for what, mine, theirs, ref in [
+        ("forward", y, y_torch, exact),
+        ("d/dx", grad, x_half.grad, x64.grad),
+    ]:
+        ref = ref.detach().numpy()
+        (mean_b, max_b), (mean_t, max_t) = (
+            _errors(mine, ref),
+            _errors(theirs.detach().double(), ref),
+        )
+        assert mean_b <= 1.05 * mean_t, (what, mean_b, mean_t)
+        assert max_b <= 1.05 * max_t, (what, max_b, max_t)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_global_avg_pool_half_precision_error_is_no_worse_than_torch(dtype):
+    rs = np.random.default_rng(1)
+    x = torch.tensor(rs.standard_normal((2, 4, 12, 12)) * 2.0 + 1.0).to(HALF[dtype])
+    exact = x.double().mean((2, 3)).numpy()
+    y = bx.global_avg_pool(jnp.asarray(x.double().numpy(), dtype), channels_first=True)
+    assert y.dtype == jnp.dtype(dtype)
+    (mean_b, max_b), (mean_t, max_t) = (
+        _errors(y, exact),
+        _errors(F.adaptive_avg_pool2d(x, 1).double().numpy().reshape(2, 4), exact),
+    )
+    assert mean_b <= 1.05 * mean_t and max_b <= 1.05 * max_t, (mean_b, mean_t, max_b, max_t)
+
+
+def test_avg_pool_float16_window_sums_do_not_overflow():
+    """Nine float16 values near 20000 sum to ~180000 > 65504 (float16's max): the sum
+    must not be taken in float16. Reference: NumPy float64 means, tol(float16)."""
+    x = (20000.0 + 100.0 * np.random.default_rng(2).standard_normal((1, 6, 6, 2))).astype(
+        np.float16
+    )
+    x64 = x.astype(np.float64)
+    windows = np.lib.stride_tricks.sliding_window_view(x64, (3, 3), axis=(1, 2))
+    expected = windows.mean(axis=(-2, -1))  # (1, 4, 4, 2)
+    y = bx.avg_pool(jnp.asarray(x), (3, 3), 1)
+    assert y.dtype == jnp.float16 and np.isfinite(np.asarray(y, np.float64)).all()
+    np.testing.assert_allclose(np.asarray(y, np.float64), expected, **tol("float16"))
+    g = bx.global_avg_pool(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(g, np.float64), x64.mean((1, 2)), **tol("float16"))
 
 
 def test_pools_under_jit_and_vmap():
