@@ -12,7 +12,10 @@ statistics), modules are static configuration. Users call ``jax.jit``, ``jax.gra
 
 from importlib import metadata as _metadata
 
+from blox import ckpt as ckpt
 from blox import core as core
+from blox import data as data
+from blox import distributed as distributed
 from blox import nn as nn
 from blox import train as train
 from blox.core import Graph as Graph
@@ -24,7 +27,9 @@ from blox.core import Rng as Rng
 from blox.core import SequenceBase as SequenceBase
 from blox.core import display as display
 from blox.core import dynamic_scan as dynamic_scan
+from blox.core import format_path as format_path
 from blox.core import from_dict as from_dict
+from blox.core import graph_tree as graph_tree
 from blox.core import named_shardings as named_shardings
 from blox.core import params_table as params_table
 from blox.core import partition_specs as partition_specs
@@ -48,7 +53,9 @@ __all__ = [
     "SequenceBase",
     "display",
     "dynamic_scan",
+    "format_path",
     "from_dict",
+    "graph_tree",
     "named_shardings",
     "params_table",
     "partition_specs",

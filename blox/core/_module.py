@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blox.core._errors import BloxKeyError
 from blox.core._graph import Graph
 from blox.core._params import Params, Path, _make_info, _thaw, format_path
 
@@ -55,6 +56,36 @@ def _dtype_name(dtype: Any) -> str:
         return str(np.dtype(dtype))
     except TypeError:
         return str(dtype)
+
+
+def stored_shape_error(
+    module: Module, path: Path, stored: tuple[int, ...], expected: tuple[int, ...], why: str = ""
+) -> str:
+    """The message for a stored parameter whose shape does not fit `module`.
+
+    It blames the stored value (named by path, with both shapes), says when it is the
+    expected shape transposed (a PyTorch weight copied as is), and only then mentions the
+    other cause: inputs of another size than at initialization.
+    """
+    owner = f"{type(module).__name__} '{module.path_str}'"
+    msg = (
+        f"Parameter '{format_path(path)}' is stored with shape {stored}, but {owner} "
+        f"expects {expected}{why}. "
+    )
+    if len(stored) >= 2 and stored == expected[::-1] and stored != expected:
+        msg += (
+            f"The stored value is transposed: PyTorch stores weights as (out, in) and blox "
+            f"as (in, out), so store the transpose, e.g. params[{path!r}] = "
+            "bx.Param(weight.T). "
+        )
+    else:
+        msg += (
+            "Replace the stored value with one of the expected shape (weights copied from "
+            "another library may need a transpose or reshape), or, if it came from "
+            "initialization, re-initialize: the layer's configuration or its input size "
+            "changed since. "
+        )
+    return msg.rstrip()
 
 
 class Module:
@@ -168,12 +199,12 @@ class Module:
                 self._check_existing(path, value, tuple(shape), dtype)
             return value, params
         if shape is None or init is None:
-            raise KeyError(
+            raise BloxKeyError(
                 f"Parameter '{format_path(path)}' not found. To create a new parameter, "
                 "provide shape and init: get_param(params, name, shape, init)."
             )
         if params.is_locked:
-            raise KeyError(_CREATE_LOCKED.format(path=format_path(path)))
+            raise BloxKeyError(_CREATE_LOCKED.format(path=format_path(path)))
         shape = tuple(int(d) for d in shape)
         if rng is not None:
             key, params = rng(params)
@@ -196,17 +227,12 @@ class Module:
         info = _make_info(trainable, metadata, f"'{format_path(path)}'")
         return value, params._set(path, value, info)
 
-    @staticmethod
-    def _check_existing(path: Path, value: Any, shape: tuple[int, ...], dtype: Any) -> None:
+    def _check_existing(self, path: Path, value: Any, shape: tuple[int, ...], dtype: Any) -> None:
         vshape = getattr(value, "shape", None)
         if vshape is None:
             return
         if tuple(vshape) != shape:
-            raise ValueError(
-                f"Parameter '{format_path(path)}' has shape {tuple(vshape)} in params, but "
-                f"shape {shape} was requested. The input probably has a different size than "
-                "at initialization; re-initialize the params or fix the input shape."
-            )
+            raise ValueError(stored_shape_error(self, path, tuple(vshape), shape))
         vdtype = getattr(value, "dtype", None)
         if vdtype is None or dtype is None:
             return
@@ -237,7 +263,7 @@ class Module:
         path = self.graph.path + (name,)
         idx = params._struct.index.get(path)
         if idx is None:
-            raise KeyError(
+            raise BloxKeyError(
                 f"Path '{format_path(path)}' not found. set_param updates existing "
                 "parameters; create it first with get_param(params, name, shape, init)."
             )

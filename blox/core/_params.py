@@ -19,6 +19,8 @@ from typing import Any
 
 import jax
 
+from blox.core._errors import BloxKeyError
+
 Path = tuple[str, ...]
 
 __all__ = ["Param", "Params", "Path", "format_path"]
@@ -288,21 +290,23 @@ def _check_path(path: Any) -> Path:
     if isinstance(path, tuple):
         return tuple(path)
     if isinstance(path, str):
-        raise KeyError(
+        raise BloxKeyError(
             f"Params are keyed by path tuples, got the string {path!r}. "
             f"Use a tuple such as {tuple(path.split('/'))!r}."
         )
-    raise KeyError(
+    raise BloxKeyError(
         f"Params are keyed by path tuples, got {type(path).__name__} {path!r}. "
         "Use a tuple of names such as ('mlp', 'linear_0', 'kernel')."
     )
 
 
-def _missing_path_error(path: Path, keys: tuple[Path, ...]) -> KeyError:
+def _missing_path_error(path: Path, keys: tuple[Path, ...]) -> BloxKeyError:
     names = {format_path(k): k for k in keys}
     close = difflib.get_close_matches(format_path(path), list(names), n=3)
     hint = f" Did you mean {', '.join(repr(names[c]) for c in close)}?" if close else ""
-    return KeyError(f"Path '{format_path(path)}' not found in Params ({len(keys)} paths).{hint}")
+    return BloxKeyError(
+        f"Path '{format_path(path)}' not found in Params ({len(keys)} paths).{hint}"
+    )
 
 
 _LOCKED_SET_MSG = (

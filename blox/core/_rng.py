@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from blox.core._errors import BloxKeyError
 from blox.core._graph import Graph
 from blox.core._module import Module
 from blox.core._params import Params, _make_info, _thaw
@@ -102,7 +103,7 @@ class Rng(Module):
     def _key(self, params: Params, seed_path: tuple[str, ...]) -> jax.Array:
         value = params._get_value(seed_path)
         if value is None:
-            raise KeyError(_UNSEEDED.format(path=self.path_str))
+            raise BloxKeyError(_UNSEEDED.format(path=self.path_str))
         meta = params._info(seed_path)[1]
         impl = dict(_thaw(meta)).get("impl")
         return jax.random.wrap_key_data(value, impl=impl)
@@ -111,7 +112,7 @@ class Rng(Module):
         """The stored counter (``uint32`` scalar)."""
         value = params._get_value(self.param_path("counter"))
         if value is None:
-            raise KeyError(_UNSEEDED.format(path=self.path_str))
+            raise BloxKeyError(_UNSEEDED.format(path=self.path_str))
         return value
 
     def __call__(self, params: Params) -> tuple[jax.Array, Params]:  # type: ignore[override]
@@ -120,7 +121,7 @@ class Rng(Module):
         counter_path = self.param_path("counter")
         counter = params._get_value(counter_path)
         if counter is None:
-            raise KeyError(_UNSEEDED.format(path=self.path_str))
+            raise BloxKeyError(_UNSEEDED.format(path=self.path_str))
         key = jax.random.fold_in(self._key(params, seed_path), counter)
         return key, params._set(counter_path, counter + jnp.uint32(1))
 

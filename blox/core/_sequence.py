@@ -72,6 +72,39 @@ def _check_reset(is_reset: Any, batch: int | None, steps: int, where: str) -> An
     return is_reset
 
 
+def _check_rank(inputs: Any, rank: int | None, where: str, step_call: str | None) -> None:
+    """Every leaf of a whole sequence must be ``rank`` = one step's rank + 1 (``[B, T, F]``).
+
+    `step_call` shows the one-step call (``'lstm(params, x_t, state)'``), or ``None`` for
+    modules without one.
+    """
+    if rank is None:
+        return
+    for leaf in jax.tree.leaves(inputs):
+        if jnp.ndim(leaf) != rank:
+            seq, step = ("B, T, F", "B, F") if rank == 3 else ("B, T, ...", "B, ...")
+            single = f"For a single step [{step}] call {step_call}; to" if step_call else "To"
+            raise ValueError(
+                f"{where}: apply runs over a whole sequence and needs inputs of shape "
+                f"[{seq}] (rank {rank}, time on axis 1), got shape {tuple(jnp.shape(leaf))}. "
+                f"{single} run a [{step}] batch as a sequence of length 1, pass x[:, None]."
+            )
+
+
+def _contains_params(state: Any) -> bool:
+    if isinstance(state, Params):
+        return True
+    return isinstance(state, (tuple, list)) and any(isinstance(s, Params) for s in state)
+
+
+_STATE_IS_PAIR = (
+    "{where}: prev_state is (or contains) a Params. initial_state returns the pair "
+    "(state, params), not the state alone; unpack it:\n"
+    "    state, params = {name}.initial_state(params, x_t)\n"
+    "    ({out}), params = {name}.apply(params, x, prev_state=state)"
+)
+
+
 def _batch_size(inputs: Any) -> int:
     return jnp.shape(jax.tree.leaves(inputs)[0])[0]
 
@@ -272,9 +305,14 @@ class SequenceBase(Module):
     Subclasses implement ``initial_state(params, inputs) -> (state, params)`` and
     ``__call__(params, inputs_t, prev_state, is_reset=None, is_training=True) ->
     ((outputs_t, state), params)`` for one step, and ``apply`` over a whole sequence.
+
+    ``initial_state`` returns a *pair*, as every blox call does: unpack it with
+    ``state, params = layer.initial_state(params, x_t)`` and pass ``state`` on.
     """
 
     def initial_state(self, params: Params, inputs: Any) -> tuple[Any, Params]:
+        """Returns ``(state, params)``: the state before the first step for one step's
+        inputs (``inputs``: ``[B, ...]``; the batch size is read from it)."""
         raise NotImplementedError(f"{type(self).__name__} must implement initial_state.")
 
     def apply(
@@ -297,7 +335,16 @@ class RecurrenceBase(SequenceBase):
       graph: this module's node.
       is_static: ``True`` runs `static_scan` (Python loop), ``False`` `dynamic_scan`
         (``lax.scan``). Both give the same numbers on the same params.
+
+    ``apply`` checks a given ``prev_state`` before scanning: passing the ``(state,
+    params)`` pair that ``initial_state`` returns raises a ``TypeError`` that shows how
+    to unpack it. Subclasses refine the check by overriding ``_check_state(params,
+    prev_state, inputs_t) -> state`` (the built-in cells check the state type and
+    ``[B, H]`` shapes there), and set ``_STEP_INPUT_RANK`` (e.g. 2 for ``[B, F]``
+    steps) so that ``apply`` requires inputs of that rank + 1 (``[B, T, F]``).
     """
+
+    _STEP_INPUT_RANK: int | None = None
 
     def __init__(self, graph: Graph, is_static: bool = False):
         super().__init__(graph)
@@ -343,15 +390,36 @@ class RecurrenceBase(SequenceBase):
           ``((outputs [B, T, ...], final_state), params)``.
         """
         where = f"{type(self).__name__} '{self.path_str}'"
+        name = type(self).__name__.lower()
+        _check_rank(inputs, self._sequence_rank(), where, f"{name}(params, x_t, state)")
         steps = _seq_len(inputs, where)
         batch = _batch_size(inputs)
         is_reset = _check_reset(is_reset, batch, steps, where)
         valid = _check_lengths(seq_lengths, batch, steps, where)
+        x0 = jax.tree.map(lambda x: x[:, 0], inputs)
         if prev_state is None:
-            x0 = jax.tree.map(lambda x: x[:, 0], inputs)
             prev_state, params = self.initial_state(params, x0)
+        else:
+            prev_state = self._check_state(params, prev_state, x0)
         scan = _static_scan if self._is_static else _dynamic_scan
         return scan(self, params, inputs, prev_state, is_reset, is_training, valid)
+
+    def _sequence_rank(self) -> int | None:
+        return None if self._STEP_INPUT_RANK is None else self._STEP_INPUT_RANK + 1
+
+    def _check_state(self, params: Params, prev_state: Any, inputs: Any) -> Any:
+        """Checks a carried state against one step's ``inputs``; returns the state to use.
+
+        The base check rejects the ``(state, params)`` pair of ``initial_state``.
+        """
+        if _contains_params(prev_state):
+            name = type(self).__name__.lower()
+            raise TypeError(
+                _STATE_IS_PAIR.format(
+                    where=f"{type(self).__name__} '{self.path_str}'", name=name, out="y, state"
+                )
+            )
+        return prev_state
 
     def maybe_reset_state(
         self, params: Params, prev_state: Any, inputs: Any, is_reset: Any = None

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from blox.core import Graph, Module, Params, Rng
+from blox.core._module import stored_shape_error
+from blox.core._params import format_path
 
 __all__ = ["Linear", "MLP", "compute_dtype"]
 
@@ -45,6 +47,10 @@ class Linear(Module):
       param_dtype: the dtype parameters are created in (default float32).
 
     Parameters: ``<path>/kernel`` ``(D_in, D_out)``, ``<path>/bias`` ``(D_out,)``.
+    PyTorch's ``nn.Linear.weight`` is ``(D_out, D_in)``: store ``weight.T``. A stored
+    kernel whose shape cannot fit this layer (not ``(D_in, output_size)``) raises a
+    ``ValueError`` that names its path, its shape and the expected one, and says when it
+    is the transpose; a square kernel stored transposed cannot be detected.
 
     >>> import blox as bx, jax.numpy as jnp
     >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
@@ -95,14 +101,7 @@ class Linear(Module):
                 "(..., in_features). Use x[None] for a single feature."
             )
         in_features = x.shape[-1]
-        existing = params._get_value(self.param_path("kernel"))
-        if existing is not None and hasattr(existing, "shape"):
-            if existing.shape[0] != in_features:
-                raise ValueError(
-                    f"Linear '{self.path_str}' expects inputs of shape (..., "
-                    f"{existing.shape[0]}) (kernel {tuple(existing.shape)}), got input shape "
-                    f"{tuple(x.shape)}. Fix the input's last dimension or re-initialize."
-                )
+        self._check_kernel(params, x)
         kernel, params = self.get_param(
             params,
             "kernel",
@@ -127,6 +126,33 @@ class Linear(Module):
             y = y + jnp.broadcast_to(bias.astype(cd), y.shape)
         return y, params
 
+    def _check_kernel(self, params: Params, x: jax.Array) -> None:
+        """A stored kernel that cannot fit ``output_size`` is blamed, not the input."""
+        path = self.param_path("kernel")
+        stored = getattr(params._get_value(path), "shape", None)
+        if stored is None:
+            return
+        stored = tuple(stored)
+        expected = (x.shape[-1], self.output_size)
+        if len(stored) != 2 or stored[1] != self.output_size:
+            raise ValueError(
+                stored_shape_error(
+                    self,
+                    path,
+                    stored,
+                    expected,
+                    f" = (D_in, D_out) for input shape {tuple(x.shape)} and output_size="
+                    f"{self.output_size}",
+                )
+            )
+        if stored[0] != x.shape[-1]:
+            raise ValueError(
+                f"Linear '{self.path_str}' expects inputs of shape (..., {stored[0]}) (kernel "
+                f"{stored} = (D_in, D_out)), got input shape {tuple(x.shape)}. Fix the input's "
+                f"last dimension; or, if '{format_path(path)}' was made for another input "
+                f"size, replace it with a {expected} kernel or re-initialize."
+            )
+
 
 class MLP(Module):
     """A stack of `Linear` layers with an activation between them.
@@ -138,6 +164,8 @@ class MLP(Module):
       output_sizes: the width of each layer, e.g. ``(64, 64, 10)``.
       rng: the `Rng` for initialization.
       activation: applied after every layer but the last (default ``jax.nn.relu``).
+        This and every argument below are keyword-only (``MLP`` is not in jax-blox
+        0.1.6, so there is no positional order to keep).
       activate_final: also apply it after the last layer.
       use_bias: biases in every layer.
       kernel_init, bias_init: passed to each `Linear`.
@@ -159,12 +187,12 @@ class MLP(Module):
         graph: Graph,
         output_sizes: Sequence[int],
         rng: Rng | None,
+        *,
         activation: Callable[[jax.Array], jax.Array] = jax.nn.relu,
         activate_final: bool = False,
         use_bias: bool = True,
         kernel_init: Callable = _default_kernel_init,
         bias_init: Callable = _default_bias_init,
-        *,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
     ):

@@ -20,8 +20,18 @@ import jax
 import jax.numpy as jnp
 
 from blox.core import Graph, Params, RecurrenceBase, Rng, SequenceBase
-from blox.core._sequence import _batch_size, _check_lengths, _check_reset, _seq_len
+from blox.core._module import stored_shape_error
+from blox.core._sequence import (
+    _STATE_IS_PAIR,
+    _batch_size,
+    _check_lengths,
+    _check_rank,
+    _check_reset,
+    _contains_params,
+    _seq_len,
+)
 from blox.nn._linear import compute_dtype
+from blox.nn._recurrent import _describe
 
 __all__ = [
     "GRU",
@@ -76,6 +86,7 @@ class _GatedCell(RecurrenceBase):
     _GATES = 1
     _RECURRENT_BIAS = True
     _STATE: type = GRUState
+    _STEP_INPUT_RANK = 2
 
     def __init__(
         self,
@@ -112,11 +123,46 @@ class _GatedCell(RecurrenceBase):
         return compute_dtype(x, pdt, self.dtype)
 
     def initial_state(self, params: Params, inputs: Any) -> tuple[Any, Params]:
-        """Zeros ``[B, H]``; B is ``inputs.shape[0]``; the dtype is the compute dtype
-        (see `Linear`)."""
+        """Returns ``(state, params)``: the zero state for one step's inputs.
+
+        Args:
+          params: the current params (returned unchanged).
+          inputs: one step's inputs ``[B, F]``; only B and the dtype are read.
+
+        Returns:
+          ``(state, params)``, a pair: ``state.hidden`` is zeros ``[B, H]`` in the compute
+          dtype (see `Linear`). Unpack it, ``state, params = cell.initial_state(params,
+          x_t)``, and pass ``state`` as ``prev_state``.
+        """
         x = jnp.asarray(jax.tree.leaves(inputs)[0])
         shape = (x.shape[0], self.hidden_size)
         return self._STATE(jnp.zeros(shape, self._state_dtype(params, x))), params
+
+    def _check_state(self, params: Params, prev_state: Any, inputs: Any) -> Any:
+        prev_state = super()._check_state(params, prev_state, inputs)
+        name, state_type = self._NAME.lower(), self._STATE.__name__
+        expected = (jnp.shape(jax.tree.leaves(inputs)[0])[0], self.hidden_size)
+        fix = (
+            "Carry the state returned by the previous call, or build one with "
+            f"`state, params = {name}.initial_state(params, x_t)`."
+        )
+        if not (
+            isinstance(prev_state, self._STATE)
+            or getattr(prev_state, "_fields", None) == ("hidden",)
+        ):
+            raise TypeError(
+                f"{self._NAME} '{self.path_str}': prev_state must be a {state_type} with "
+                f"hidden [B, H] = {expected}, got {_describe(prev_state)}. {fix}"
+            )
+        hidden = prev_state.hidden
+        shape = getattr(hidden, "shape", None)
+        if shape is None or tuple(shape) != expected:
+            raise ValueError(
+                f"{self._NAME} '{self.path_str}': prev_state must be a {state_type} with "
+                f"hidden [B, H] = {expected}, got {type(prev_state).__name__} with hidden: "
+                f"{_describe(hidden)}. {fix}"
+            )
+        return self._STATE(hidden)
 
     # -- parameters ------------------------------------------------------------
 
@@ -146,33 +192,46 @@ class _GatedCell(RecurrenceBase):
         if prev_state is None:
             raise ValueError(
                 f"The {self._NAME} __call__ method requires a valid prev_state "
-                f"('{self.path_str}' runs one step). Get one from {name}.initial_state(params, "
-                f"x_t), or run a whole sequence with {name}.apply(params, x)."
+                f"('{self.path_str}' runs one step). Get one with `state, params = "
+                f"{name}.initial_state(params, x_t)`, or run a whole sequence with "
+                f"{name}.apply(params, x)."
             )
         if x.ndim != 2:
             raise ValueError(
                 f"{self._NAME} '{self.path_str}': one step takes inputs of shape [B, F], got "
                 f"{tuple(x.shape)}. For a sequence [B, T, F] use {name}.apply(params, x)."
             )
-        kernel = params._get_value(self.param_path("kernel"))
-        if kernel is not None and hasattr(kernel, "shape") and x.shape[-1] != kernel.shape[0]:
-            raise ValueError(
-                f"{self._NAME} '{self.path_str}' expects inputs with {kernel.shape[0]} features "
-                f"(kernel {tuple(kernel.shape)} = (F, {self._GATES}H) with H="
-                f"{self.hidden_size}), got input shape {tuple(x.shape)}. Fix the input's last "
-                "dimension or re-initialize the params."
-            )
-        hidden = getattr(prev_state, "hidden", None)
-        expected = (x.shape[0], self.hidden_size)
-        if hidden is None or tuple(jnp.shape(hidden)) != expected:
-            got = "no .hidden" if hidden is None else f"hidden {tuple(jnp.shape(hidden))}"
-            raise ValueError(
-                f"{self._NAME} '{self.path_str}': prev_state must be a {self._STATE.__name__} "
-                f"with hidden [B, H] = {expected}, got {type(prev_state).__name__} with {got}. "
-                f"Build it with {name}.initial_state(params, x_t) or carry the state returned "
-                "by the previous call."
-            )
-        return self._STATE(hidden)
+        self._check_stored(params, x)
+        return self._check_state(params, prev_state, x)
+
+    def _check_stored(self, params: Params, x: jax.Array) -> None:
+        """Stored weights whose shapes cannot fit this cell are blamed, not the input."""
+        hs, kh, features = self.hidden_size, self._GATES * self.hidden_size, x.shape[-1]
+        gates = "" if self._GATES == 1 else f"{self._GATES}"
+        why = f" for F={features}, H={hs}"
+        expected = {
+            "kernel": ((features, kh), f" = (F, {gates}H){why}"),
+            "recurrent_kernel": ((hs, kh), f" = (H, {gates}H){why}"),
+            "bias": ((kh,), f" = ({gates}H,){why}"),
+        }
+        if self._RECURRENT_BIAS:
+            expected["recurrent_bias"] = ((kh,), f" = ({gates}H,){why}")
+        for pname, (shape, legend) in expected.items():
+            path = self.param_path(pname)
+            stored = getattr(params._get_value(path), "shape", None)
+            if stored is None:
+                continue
+            stored = tuple(stored)
+            if pname == "kernel" and len(stored) == 2 and stored[1] == kh and stored[0] != features:
+                raise ValueError(
+                    f"{self._NAME} '{self.path_str}' expects inputs with {stored[0]} features "
+                    f"(kernel {stored} = (F, {gates}H) with H={hs}), got input shape "
+                    f"{tuple(x.shape)}. Fix the input's last dimension; or, if "
+                    f"'{'/'.join(path)}' was made for another input size, replace it or "
+                    "re-initialize."
+                )
+            if stored != shape:
+                raise ValueError(stored_shape_error(self, path, stored, shape, legend))
 
     def __call__(
         self,
@@ -215,10 +274,15 @@ _SHARED_ARGS = """
       param_dtype: dtype of the parameters (float32).
 
     Calls:
+      ``state, params = layer.initial_state(params, x_t [B, F])``: zeros (a pair, like
+      every blox call; pass ``state`` on, not the pair).
       ``layer(params, x_t [B, F], state, is_reset=None [B])`` -> ``((h [B, H], state),
       params)`` for one step; ``layer.apply(params, x [B, T, F], prev_state=None,
       is_reset=None [B, T], seq_lengths=None [B])`` -> ``((h [B, T, H], final state),
-      params)``: see `RecurrenceBase.apply` for resets and lengths.
+      params)``: see `RecurrenceBase.apply` for resets and lengths. ``apply`` needs
+      rank-3 inputs, and a ``prev_state`` of the wrong type or shape raises an error that
+      says what to pass; so does a stored weight whose shape cannot fit (e.g. a PyTorch
+      weight copied without its transpose), naming its path and the expected shape.
 """
 
 
@@ -291,6 +355,9 @@ class SimpleRNN(_GatedCell):
         (__doc__ or "")
         + _SHARED_ARGS
         + """
+    Every argument after ``rng`` is keyword-only (jax-blox 0.1.6 has no ``SimpleRNN``,
+    so there is no positional order to keep).
+
     Parameters: ``<path>/kernel (F, H)`` = ``weight_ih_l0.T``, ``<path>/recurrent_kernel
     (H, H)`` = ``weight_hh_l0.T``, ``<path>/bias (H,)`` = ``bias_ih_l0``,
     ``<path>/recurrent_bias (H,)`` = ``bias_hh_l0``.
@@ -313,8 +380,8 @@ class SimpleRNN(_GatedCell):
         graph: Graph,
         hidden_size: int,
         rng: Rng | None,
-        is_static: bool = False,
         *,
+        is_static: bool = False,
         activation: Callable[[jax.Array], jax.Array] = jnp.tanh,
         kernel_init: Callable | None = None,
         recurrent_kernel_init: Callable | None = None,
@@ -359,6 +426,9 @@ class MGU(_GatedCell):
         (__doc__ or "")
         + _SHARED_ARGS
         + """
+    Every argument after ``rng`` is keyword-only (jax-blox 0.1.6 has no ``MGU``, so
+    there is no positional order to keep).
+
     Parameters (gate columns f, n): ``<path>/kernel (F, 2H)``, ``<path>/recurrent_kernel
     (H, 2H)``, ``<path>/bias (2H,)``.
 
@@ -375,6 +445,31 @@ class MGU(_GatedCell):
     _GATES = 2
     _RECURRENT_BIAS = False
     _STATE = MGUState
+
+    def __init__(
+        self,
+        graph: Graph,
+        hidden_size: int,
+        rng: Rng | None,
+        *,
+        is_static: bool = False,
+        kernel_init: Callable | None = None,
+        recurrent_kernel_init: Callable | None = None,
+        bias_init: Callable | None = None,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(
+            graph,
+            hidden_size,
+            rng,
+            is_static,
+            kernel_init=kernel_init,
+            recurrent_kernel_init=recurrent_kernel_init,
+            bias_init=bias_init,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
 
     def _cell(self, x, h, w, u, b):
         hs = self.hidden_size
@@ -509,7 +604,9 @@ class Bidirectional(SequenceBase):
         self.backward.is_static = value  # type: ignore[attr-defined]
 
     def initial_state(self, params: Params, inputs: Any) -> tuple[tuple[Any, Any], Params]:
-        """``(forward.initial_state, backward.initial_state)`` for one step's inputs."""
+        """Returns ``((state_fwd, state_bwd), params)`` for one step's inputs ``[B, F]``:
+        the two layers' initial states, as a pair with the params. Unpack it, ``state,
+        params = bi.initial_state(params, x_t)``, and pass ``state`` as ``prev_state``."""
         sf, params = self.forward.initial_state(params, inputs)
         sb, params = self.backward.initial_state(params, inputs)
         return (sf, sb), params
@@ -528,10 +625,18 @@ class Bidirectional(SequenceBase):
 
         ``prev_state``: ``(state_fwd, state_bwd)`` or ``None`` (initial states)."""
         where = f"Bidirectional '{self.path_str}'"
+        ranks = {
+            getattr(m, "_sequence_rank", lambda: None)() for m in (self.forward, self.backward)
+        }
+        ranks.discard(None)
+        if len(ranks) == 1:
+            _check_rank(inputs, ranks.pop(), where, None)
         steps = _seq_len(inputs, where)
         batch = _batch_size(inputs)
         reset = _check_reset(is_reset, batch, steps, where)
         valid = _check_lengths(seq_lengths, batch, steps, where)
+        if _contains_params(prev_state):
+            raise TypeError(_STATE_IS_PAIR.format(where=where, name="bi", out="y, state"))
         if prev_state is None:
             state_f = state_b = None
         elif isinstance(prev_state, tuple) and len(prev_state) == 2:
@@ -539,7 +644,8 @@ class Bidirectional(SequenceBase):
         else:
             raise ValueError(
                 f"{where}: prev_state must be a pair (state_forward, state_backward) or None, "
-                f"got {type(prev_state).__name__}. Carry the pair returned by the last call."
+                f"got {_describe(prev_state)}. Carry the pair returned by the last call, or "
+                "build one with `state, params = bi.initial_state(params, x_t)`."
             )
         lengths = None
         if seq_lengths is not None:

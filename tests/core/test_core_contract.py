@@ -237,8 +237,15 @@ def test_get_param_errors_name_the_path_and_shapes():
     with pytest.raises(KeyError, match=r"'net/fc/w' not found. To create a new parameter"):
         mod.get_param(params, "w")
     _, params = mod.get_param(params, "w", (2, 3), jax.nn.initializers.zeros)
-    with pytest.raises(ValueError, match=r"'net/fc/w' has shape \(2, 3\).*shape \(3, 3\)"):
+    # The stored parameter is blamed: its path, its shape, the module and the expected shape.
+    with pytest.raises(
+        ValueError,
+        match=r"Parameter 'net/fc/w' is stored with shape \(2, 3\), but Linear 'net/fc' "
+        r"expects \(3, 3\)\. Replace the stored value",
+    ):
         mod.get_param(params, "w", (3, 3), jax.nn.initializers.zeros)
+    with pytest.raises(ValueError, match=r"expects \(3, 2\)\. The stored value is transposed"):
+        mod.get_param(params, "w", (3, 2), jax.nn.initializers.zeros)
     with pytest.raises(ValueError, match=r"'net/fc/w' is stored as float32.*int32"):
         mod.get_param(params, "w", (2, 3), jax.nn.initializers.zeros, dtype=jnp.int32)
     # A float param cast to another width (bf16 compute, float64 checks) is accepted.
@@ -393,3 +400,44 @@ def test_from_dict_errors_list_paths_and_shapes():
     clash[("a", "b")] = bx.Param(jnp.ones(1))
     with pytest.raises(ValueError, match="both a parameter and a prefix"):
         bx.to_dict(clash)
+
+
+# ----------------------------------------------------------------------------- KeyError text
+
+
+def _key_errors():
+    """(what, thunk) pairs that raise blox's KeyErrors whose messages carry a fix."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    fc = bx.Linear(g / "fc", 2, rng)
+    return [
+        ("unseeded Rng", lambda: rng(bx.Params())),
+        ("unseeded Rng via a layer", lambda: fc(bx.Params(), jnp.ones((1, 3)))),
+        ("new parameter in locked params", lambda: fc(bx.Params().locked(), jnp.ones((1, 3)))),
+        ("unknown path", lambda: bx.Params()[("net", "fc", "kernel")]),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4), ids=[w for w, _ in _key_errors()])
+def test_key_errors_print_their_message_unquoted_with_real_newlines(index):
+    """jax-blox raises KeyError here and user code may catch it, so blox keeps the type;
+    but a plain KeyError prints repr(message): one quoted line with literal backslash-n."""
+    import traceback
+
+    _, thunk = _key_errors()[index]
+    with pytest.raises(KeyError) as info:
+        thunk()
+    err = info.value
+    message = err.args[0]
+    assert isinstance(err, KeyError) and isinstance(message, str)
+    assert str(err) == message  # not repr(message)
+    assert not str(err).startswith(("'", '"')) and "\\n" not in str(err)
+    shown = "".join(traceback.format_exception_only(type(err), err))
+    assert shown.rstrip("\n").endswith(message.splitlines()[-1])
+    assert ": " + message.splitlines()[0] in shown.splitlines()[0]
+    if index < 3:  # the messages that carry code to fix the call span several lines
+        assert len(shown.rstrip("\n").splitlines()) == len(message.splitlines()) >= 3
+    try:  # still caught by `except KeyError`
+        thunk()
+    except KeyError:
+        pass

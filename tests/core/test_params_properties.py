@@ -292,8 +292,43 @@ def test_to_dict_from_dict_round_trip(model, locked, trainable):
     for path, (value, _, _) in model.items():
         np.testing.assert_array_equal(np.asarray(_lookup(tree, path)), value)
     assert set(tree) == {path[0] for path in model}
-    q = bx.from_dict(tree, trainable=trainable)
+    # sep=None: names here may contain '/', and a tree with no nested dicts would
+    # otherwise be read as the flat {'a/b': x} form and split.
+    q = bx.from_dict(tree, trainable=trainable, sep=None)
     expected = {k: (v, trainable, {}) for k, (v, _, _) in model.items()}
+    assert snapshot(q) == model_snapshot(expected, False)
+
+
+def _printed_unique(model: dict) -> bool:
+    printed = ["/".join(p) for p in model]
+    return len(set(printed)) == len(printed)
+
+
+@SETTINGS
+@given(models.filter(_printed_unique), st.booleans())
+def test_flat_dict_with_like_rebuilds_the_params(model, locked):
+    """The flat form ``{'a/b/c': array}`` (Orbax without a target) with `like` gives back
+    the model exactly, names containing '/' included, whenever the printed paths are
+    unique."""
+    p = build(model, locked)
+    flat = {"/".join(path): jnp.asarray(value) for path, (value, _, _) in model.items()}
+    assert snapshot(bx.from_dict(flat, like=p)) == model_snapshot(model, locked)
+
+
+@SETTINGS
+@given(
+    st.dictionaries(
+        st.lists(st.text("ab. ", min_size=1, max_size=3), min_size=1, max_size=3).map(tuple),
+        arrays,
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_flat_dict_without_like_splits_at_slashes(model):
+    """Without `like`, flat keys are split at '/' (names here contain none)."""
+    flat = {"/".join(path): jnp.asarray(value) for path, value in model.items()}
+    q = bx.from_dict(flat, trainable=False)
+    expected = {k: (v, False, {}) for k, v in model.items()}
     assert snapshot(q) == model_snapshot(expected, False)
 
 

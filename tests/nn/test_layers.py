@@ -3,6 +3,8 @@
 Numerics against PyTorch live in ``test_reference_torch.py``.
 """
 
+import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -272,8 +274,8 @@ def test_linear_errors_name_path_and_shapes():
     _, params = fc(params, jnp.ones((2, 3)))
     with pytest.raises(
         ValueError,
-        match=r"Linear 'net/fc' expects inputs of shape \(\.\.\., 3\) \(kernel \(3, 4\)\), "
-        r"got input shape \(2, 5\)",
+        match=r"Linear 'net/fc' expects inputs of shape \(\.\.\., 3\) \(kernel \(3, 4\) = "
+        r"\(D_in, D_out\)\), got input shape \(2, 5\)\. Fix the input's last dimension",
     ):
         fc(params.locked(), jnp.ones((2, 5)))
     with pytest.raises(ValueError, match="output_size must be a positive int"):
@@ -297,8 +299,17 @@ def test_lstm_errors_name_path_and_shapes():
         ValueError, match=r"LSTM 'net/lstm' expects inputs with 3 features.*\(2, 6\)"
     ):
         lstm.apply(params, jnp.ones((2, 5, 6)))
-    with pytest.raises(ValueError, match=r"rank >= 2"):
-        lstm.apply(params, jnp.ones((5,)))
+    # apply needs a sequence: a [B, F] batch (rank 2 passes the generic rank >= 2 check
+    # of the scans) is refused with the sequence shape, not by the one-step call.
+    for bad in (jnp.ones((5,)), x[:, 0], jnp.ones((2, 5, 3, 1))):
+        with pytest.raises(
+            ValueError,
+            match=r"LSTM 'net/lstm': apply runs over a whole sequence and needs inputs of "
+            r"shape \[B, T, F\] \(rank 3, time on axis 1\), got shape "
+            + re.escape(str(bad.shape))
+            + r"\. For a single step \[B, F\] call lstm\(params, x_t, state\)",
+        ):
+            lstm.apply(params, bad)
     with pytest.raises(ValueError, match=r"is_reset must have shape \[B, T\] = \(2, 5\)"):
         lstm.apply(params, x, is_reset=jnp.zeros((2,), bool))
     state, _ = lstm.initial_state(params, x[:, 0])
@@ -306,6 +317,184 @@ def test_lstm_errors_name_path_and_shapes():
         lstm(params, x[:, 0], state, is_reset=jnp.zeros((3,), bool))
     with pytest.raises(ValueError, match="hidden_size must be a positive int"):
         bx.LSTM(g / "bad", -1, rng)
+
+
+def test_lstm_initial_state_is_a_pair_and_prev_state_is_checked():
+    """initial_state returns (state, params); passing that pair as prev_state (today: a
+    failure deep inside JAX) raises a TypeError that shows how to unpack it."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    lstm = bx.LSTM(g / "lstm", 4, rng, is_static=True)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 3))
+    _, params = lstm.apply(rng.seed(bx.Params(), seed=0), x)
+    params = params.locked()
+    pair = lstm.initial_state(params, x[:, 0])
+    assert isinstance(pair, tuple) and len(pair) == 2 and pair[1] is params
+    state, _ = pair
+    assert isinstance(state, bx.LSTMState)
+    np.testing.assert_array_equal(state.hidden, np.zeros((2, 4)))
+    np.testing.assert_array_equal(state.cell, np.zeros((2, 4)))
+    unpack = (
+        r"LSTM 'net/lstm': prev_state is \(or contains\) a Params\. initial_state returns "
+        r"the pair \(state, params\), not the state alone; unpack it:\n"
+        r"    state, params = lstm\.initial_state\(params, x_t\)"
+    )
+    for static in (True, False):
+        lstm.is_static = static
+        with pytest.raises(TypeError, match=unpack):
+            lstm.apply(params, x, prev_state=pair)
+        with pytest.raises(TypeError, match=unpack):
+            jax.jit(lambda p, x: lstm.apply(p, x, prev_state=lstm.initial_state(p, x[:, 0])))(
+                params, x
+            )
+    with pytest.raises(TypeError, match=unpack):
+        lstm(params, x[:, 0], pair)
+    with pytest.raises(
+        TypeError,
+        match=r"prev_state must be an LSTMState\(hidden, cell\) with hidden and cell \[B, H\] "
+        r"= \(2, 4\), got array of shape \(2, 4\)\. .*lstm\.initial_state",
+    ):
+        lstm.apply(params, x, prev_state=jnp.zeros((2, 4)))
+    with pytest.raises(
+        ValueError,
+        match=r"prev_state must hold hidden and cell of shape \[B, H\] = \(2, 4\), got hidden: "
+        r"array of shape \(2, 4\), cell: array of shape \(3, 4\)",
+    ):
+        lstm(params, x[:, 0], bx.LSTMState(jnp.zeros((2, 4)), jnp.zeros((3, 4))))
+    # A plain (hidden, cell) pair of arrays is accepted and gives the LSTMState's numbers.
+    lstm.is_static = True
+    (y_tuple, s_tuple), _ = lstm.apply(params, x, prev_state=(state.hidden, state.cell))
+    (y_ref, _), _ = lstm.apply(params, x)
+    assert isinstance(s_tuple, bx.LSTMState)
+    np.testing.assert_array_equal(y_tuple, y_ref)
+
+
+# ----------------------------------------------------------------------------- stored weights
+
+
+def _torch_layout(params: bx.Params, path: tuple, value) -> bx.Params:
+    """Stores `value` at `path` through item assignment on unlocked params, as a script
+    that copies weights from another library does."""
+    params = params.unlocked()
+    params[path] = bx.Param(jnp.asarray(value))
+    return params
+
+
+def test_stored_weights_of_the_wrong_shape_are_blamed_not_the_input():
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    fc = bx.Linear(g / "fc", 3, rng)
+    mlp = bx.MLP(g / "mlp", (6, 2), rng)
+    lstm = bx.LSTM(g / "lstm", 4, rng, is_static=True)
+    x, seq = jnp.ones((2, 5)), jnp.ones((2, 7, 5))
+    params = rng.seed(bx.Params(), seed=0)
+    _, params = fc(params, x)
+    _, params = mlp(params, x)
+    _, params = lstm.apply(params, seq)
+    rs = np.random.default_rng(0)
+    transposed = (
+        r"The stored value is transposed: PyTorch stores weights as \(out, in\) and blox as "
+        r"\(in, out\), so store the transpose"
+    )
+
+    # Linear: a torch.nn.Linear(5, 3).weight, (out, in), copied without .T.
+    p = _torch_layout(params, ("net", "fc", "kernel"), rs.standard_normal((3, 5), np.float32))
+    with pytest.raises(
+        ValueError,
+        match=r"Parameter 'net/fc/kernel' is stored with shape \(3, 5\), but Linear 'net/fc' "
+        r"expects \(5, 3\) = \(D_in, D_out\) for input shape \(2, 5\) and output_size=3\. "
+        + transposed,
+    ) as info:
+        fc(p, x)
+    assert "Fix the input" not in str(info.value)
+    # A kernel that fits no layout: blamed too, without the transpose hint.
+    p = _torch_layout(params, ("net", "fc", "kernel"), np.zeros((5, 4), np.float32))
+    with pytest.raises(
+        ValueError,
+        match=r"'net/fc/kernel' is stored with shape \(5, 4\), but Linear 'net/fc' expects "
+        r"\(5, 3\).*Replace the stored value",
+    ):
+        fc(p, x)
+    # A bias of the wrong length (checked by get_param for every module).
+    p = _torch_layout(params, ("net", "fc", "bias"), np.zeros((5,), np.float32))
+    with pytest.raises(
+        ValueError, match=r"'net/fc/bias' is stored with shape \(5,\), but Linear 'net/fc' "
+    ):
+        fc(p, x)
+    # Inside an MLP, the inner Linear names its own path.
+    p = _torch_layout(params, ("net", "mlp", "linear_1", "kernel"), np.zeros((2, 6), np.float32))
+    with pytest.raises(
+        ValueError,
+        match=r"'net/mlp/linear_1/kernel' is stored with shape \(2, 6\), but Linear "
+        r"'net/mlp/linear_1' expects \(6, 2\).*" + transposed,
+    ):
+        mlp(p, x)
+    # LSTM: gates kernel (F + H, 4H) = (9, 16) stored transposed, in both scans.
+    p = _torch_layout(params, ("net", "lstm", "gates", "kernel"), np.zeros((16, 9), np.float32))
+    for static in (True, False):
+        lstm.is_static = static
+        with pytest.raises(
+            ValueError,
+            match=r"Parameter 'net/lstm/gates/kernel' is stored with shape \(16, 9\), but LSTM "
+            r"'net/lstm' expects \(9, 16\) = \(F \+ H, 4H\) for F=5, H=4\. " + transposed,
+        ):
+            lstm.apply(p.locked(), seq)
+    p = _torch_layout(params, ("net", "lstm", "gates", "bias"), np.zeros((4,), np.float32))
+    with pytest.raises(ValueError, match=r"'net/lstm/gates/bias' is stored with shape \(4,\)"):
+        lstm.apply(p, seq)
+    # When the stored kernel fits the layer, a wrong input is still the input's fault.
+    with pytest.raises(ValueError, match=r"LSTM 'net/lstm' expects inputs with 5 features"):
+        lstm.apply(params, jnp.ones((2, 7, 6)))
+
+
+# ----------------------------------------------------------------------------- signatures
+
+
+def _positional(cls) -> list[str]:
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    sig = inspect.signature(cls.__init__)
+    return [n for n, p in sig.parameters.items() if p.kind in kinds][1:]  # drop self
+
+
+# jax-blox 0.1.6's positional order (docs: /work/shared/jax-blox-api.md), kept exactly.
+_JAX_BLOX_POSITIONAL = {
+    "Linear": [
+        "graph",
+        "output_size",
+        "rng",
+        "use_bias",
+        "kernel_init",
+        "bias_init",
+        "kernel_metadata",
+        "bias_metadata",
+    ],
+    "Sequential": ["graph", "layers"],
+    "LSTM": ["graph", "hidden_size", "rng", "is_static"],
+    "GRU": ["graph", "hidden_size", "rng", "is_static"],
+}
+# Layers jax-blox does not have: the defining arguments (and rng) only.
+_NEW_POSITIONAL = {
+    "MLP": ["graph", "output_sizes", "rng"],
+    "SimpleRNN": ["graph", "hidden_size", "rng"],
+    "MGU": ["graph", "hidden_size", "rng"],
+    "Bidirectional": ["graph", "forward", "backward"],
+}
+
+
+@pytest.mark.parametrize("name", sorted({**_JAX_BLOX_POSITIONAL, **_NEW_POSITIONAL}))
+def test_constructor_signatures(name):
+    """jax-blox's layers keep its positional signatures; for layers it lacks, everything
+    after the defining sizes and rng is keyword-only."""
+    cls = getattr(bx, name)
+    expected = {**_JAX_BLOX_POSITIONAL, **_NEW_POSITIONAL}[name]
+    assert _positional(cls) == expected
+    sig = inspect.signature(cls.__init__)
+    rest = [p for n, p in sig.parameters.items() if n != "self" and n not in expected]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in rest), rest
+    if name in _NEW_POSITIONAL and name != "Bidirectional":
+        g = bx.Graph("net")
+        with pytest.raises(TypeError, match="positional argument"):
+            cls(g / "x", 4, None, False)
 
 
 def test_dropout_behaviour_and_errors():

@@ -129,6 +129,51 @@ def test_linear_matches_torch(dtype, use_bias):
     assert set(g_params.keys()) == set(weights)
 
 
+def test_torch_linear_weight_copied_without_transpose_is_named():
+    """torch.nn.Linear(5, 4).weight is (out, in) = (4, 5). Stored as is, the error blames
+    that parameter (path, stored shape, expected (5, 4), "transposed"), not the input;
+    stored as weight.T it gives PyTorch's output (tol float32)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(5, 4)
+    x = np.random.default_rng(2).standard_normal((3, 5)).astype(np.float32)
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    layer = bx.Linear(g / "fc", 4, rng)
+    _, params = layer(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 5)))
+    params[("net", "fc", "kernel")] = bx.Param(jnp.asarray(_np(ref.weight)))
+    params[("net", "fc", "bias")] = bx.Param(jnp.asarray(_np(ref.bias)))
+    with pytest.raises(
+        ValueError,
+        match=r"Parameter 'net/fc/kernel' is stored with shape \(4, 5\), but Linear 'net/fc' "
+        r"expects \(5, 4\) = \(D_in, D_out\) for input shape \(3, 5\) and output_size=4\. "
+        r"The stored value is transposed: .*params\[\('net', 'fc', 'kernel'\)\] = "
+        r"bx\.Param\(weight\.T\)",
+    ):
+        layer(params, jnp.asarray(x))
+    params[("net", "fc", "kernel")] = bx.Param(jnp.asarray(_np(ref.weight).T.copy()))
+    y, _ = layer(params, jnp.asarray(x))
+    _assert_close(y, _np(ref(torch.tensor(x))), "float32", "Linear output after .T")
+
+
+def test_torch_lstm_weights_stacked_without_transpose_are_named():
+    """torch.nn.LSTM's weights stacked the way blox wants but without the transposes give
+    a (4H, F + H) gates kernel; the error names it with the expected (F + H, 4H)."""
+    f, h = 3, 4
+    ref = _torch_lstm(f, h, "float32")
+    lstm, params = _blox_lstm(ref, f, h, "float32", is_static=False)
+    wrong = np.concatenate([_np(ref.weight_ih_l0), _np(ref.weight_hh_l0)], axis=1)
+    assert wrong.shape == (4 * h, f + h)
+    params = params.unlocked()
+    params[("net", "lstm", "gates", "kernel")] = bx.Param(jnp.asarray(wrong))
+    with pytest.raises(
+        ValueError,
+        match=r"Parameter 'net/lstm/gates/kernel' is stored with shape \(16, 7\), but LSTM "
+        r"'net/lstm' expects \(7, 16\) = \(F \+ H, 4H\) for F=3, H=4\. The stored value is "
+        r"transposed",
+    ):
+        lstm.apply(params.locked(), jnp.zeros((2, 5, f)))
+
+
 # ---------------------------------------------------------------------------
 # MLP
 # ---------------------------------------------------------------------------

@@ -7,6 +7,8 @@ Tolerances: ``tests/tolerances.py`` ``tol(dtype)``.
 
 from __future__ import annotations
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -364,13 +366,113 @@ def test_cell_errors_name_path_shapes_and_fix():
     with pytest.raises(
         ValueError,
         match=r"prev_state must be a GRUState with hidden \[B, H\] = \(2, 4\), got GRUState "
-        r"with hidden \(2, 5\)",
+        r"with hidden: array of shape \(2, 5\)\. Carry the state returned by the previous call, "
+        r"or build one with `state, params = gru\.initial_state\(params, x_t\)`",
     ):
         layer(params, x[:, 0], bx.GRUState(jnp.zeros((2, 5))))
     with pytest.raises(ValueError, match="MGU 'net/bad': hidden_size must be a positive int"):
         bx.MGU(bx.Graph("net") / "bad", 0, rng)
     with pytest.raises(ValueError, match=r"static_scan: seq_lengths must be in \[0, T\]"):
         bx.static_scan(lambda *a: None, params, x, None, seq_lengths=[9, 1])
+
+
+@pytest.mark.parametrize("kind", CELLS + ["Bidirectional"])
+def test_initial_state_pair_and_prev_state_checks(kind):
+    """initial_state returns ``(state, params)``. Passing that pair as prev_state fails
+    deep inside JAX in jax-blox; here it raises a TypeError that shows the unpacking, in
+    both scans and under jit. A state of the wrong type or shape says what to pass."""
+    layer, rng = _build(kind, is_static=True)  # eager Python loops: no scan compiles
+    x = jax.random.normal(jax.random.key(2), (2, 5, 3))
+    params = _init(layer, rng, x)
+    pair = layer.initial_state(params, x[:, 0])
+    assert isinstance(pair, tuple) and len(pair) == 2 and pair[1] is params
+    state = pair[0]
+    for leaf in jax.tree.leaves(state):
+        np.testing.assert_array_equal(leaf, np.zeros((2, 4)))
+    name = "bi" if kind == "Bidirectional" else kind.lower()
+    unpack = (
+        rf"{kind} 'net/layer': prev_state is \(or contains\) a Params\. initial_state returns "
+        r"the pair \(state, params\), not the state alone; unpack it:\n"
+        rf"    state, params = {name}\.initial_state\(params, x_t\)"
+    )
+    for static in (True, False):
+        layer.is_static = static
+        with pytest.raises(TypeError, match=unpack):
+            layer.apply(params, x, prev_state=pair)
+        with pytest.raises(TypeError, match=unpack):
+            jax.jit(lambda p, x: layer.apply(p, x, prev_state=layer.initial_state(p, x[:, 0])))(
+                params, x
+            )
+    # The unpacked state gives the numbers of the default start.
+    layer.is_static = True
+    (y, _), _ = layer.apply(params, x, prev_state=state)
+    (y_ref, _), _ = layer.apply(params, x)
+    np.testing.assert_array_equal(y, y_ref)
+    if kind in ("LSTM", "Bidirectional"):
+        return  # LSTM: test_layers.py; Bidirectional has no one-step call
+    state_name = f"{kind}State"
+    with pytest.raises(TypeError, match=unpack):
+        layer(params, x[:, 0], pair)
+    with pytest.raises(
+        TypeError,
+        match=rf"{kind} 'net/layer': prev_state must be a {state_name} with hidden \[B, H\] = "
+        rf"\(2, 4\), got array of shape \(2, 4\)\. .*{name}\.initial_state\(params, x_t\)",
+    ):
+        layer.apply(params, x, prev_state=jnp.zeros((2, 4)))
+    with pytest.raises(TypeError, match=rf"must be a {state_name}.*got LSTMState"):
+        layer(params, x[:, 0], bx.LSTMState(jnp.zeros((2, 4)), jnp.zeros((2, 4))))
+
+
+@pytest.mark.parametrize("kind", CELLS + ["Bidirectional"])
+def test_apply_on_one_step_inputs_asks_for_a_sequence(kind):
+    """``apply`` on ``[B, F]`` (rank 2 passes the scans' generic rank >= 2 check) says a
+    ``[B, T, F]`` sequence is needed, instead of failing in the one-step call and telling
+    the user to call apply."""
+    layer, rng = _build(kind)
+    x = jnp.ones((2, 5, 3))
+    params = _init(layer, rng, x)
+    for bad in (x[:, 0], x[..., None]):
+        with pytest.raises(
+            ValueError,
+            match=rf"{kind} 'net/layer': apply runs over a whole sequence and needs inputs of "
+            r"shape \[B, T, F\] \(rank 3, time on axis 1\), got shape " + re.escape(str(bad.shape)),
+        ) as info:
+            layer.apply(params, bad)
+        assert "use " not in str(info.value) and "x[:, None]" in str(info.value)
+        if kind == "Bidirectional":
+            assert "single step" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["GRU", "SimpleRNN", "MGU"])
+@pytest.mark.parametrize("name", ["kernel", "recurrent_kernel", "bias"])
+def test_stored_weights_of_the_wrong_shape_are_blamed(kind, name):
+    """A weight stored in another layout (PyTorch's (out, in), left untransposed) names the
+    stored parameter, its shape and the expected one, not the input."""
+    layer, rng = _build(kind)
+    x = jnp.ones((2, 5, 3))
+    params = _init(layer, rng, x).unlocked()
+    path = ("net", "layer", name)
+    good = np.asarray(params[path].value)
+    if good.ndim == 2 and good.shape[0] != good.shape[1]:
+        bad = good.T
+    else:  # a bias, or SimpleRNN's square (H, H) recurrent kernel: one column too many
+        bad = np.zeros(good.shape[:-1] + (good.shape[-1] + 1,), good.dtype)
+    params[path] = bx.Param(jnp.asarray(bad))
+    gates = {"GRU": "3H", "SimpleRNN": "H", "MGU": "2H"}[kind]
+    legend = {"kernel": f"(F, {gates})", "recurrent_kernel": f"(H, {gates})"}.get(
+        name, f"({gates},)"
+    )
+    for static in (True, False):
+        layer.is_static = static
+        with pytest.raises(
+            ValueError,
+            match=rf"Parameter 'net/layer/{name}' is stored with shape "
+            + re.escape(f"{bad.shape}, but {kind} 'net/layer' expects {good.shape} = {legend} ")
+            + r"for F=3, H=4\.",
+        ) as info:
+            layer.apply(params.locked(), x)
+        transposed = bad.shape == good.shape[::-1]
+        assert ("The stored value is transposed" in str(info.value)) == transposed
 
 
 def test_bidirectional_errors():

@@ -15,6 +15,8 @@ Weight mapping (PyTorch -> blox), the same for ``nn.GRU`` (gates r, z, n) and ``
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,6 +69,34 @@ def _blox_rnn(kind, ref, f, h, dtype, is_static):
     params = _load(params, weights)
     assert set(params.keys()) == {("net", "rng", "seed"), ("net", "rng", "counter"), *weights}
     return layer, params
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_weights_copied_without_transpose_are_named(kind):
+    """weight_ih_l0 (gH, F) and weight_hh_l0 (gH, H) copied without ``.T``: the error names
+    the stored parameter, its shape and the expected one, and says it is transposed (the
+    square (H, H) weight_hh of nn.RNN cannot be told apart and is not checked here)."""
+    f, h = 3, 5
+    ref = _torch_rnn(kind, f, h, "float32")
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    layer = _make(kind, g / "rnn", h, rng, "float32", is_static=False)
+    _, params = layer.apply(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f)))
+    gates = "3H" if kind == "GRU" else "H"
+    cases = [("kernel", ref.weight_ih_l0, f"(F, {gates})")]
+    if kind == "GRU":
+        cases.append(("recurrent_kernel", ref.weight_hh_l0, f"(H, {gates})"))
+    for name, weight, legend in cases:
+        wrong = params.unlocked()
+        wrong[("net", "rnn", name)] = bx.Param(jnp.asarray(_np(weight)))
+        stored = tuple(weight.shape)
+        with pytest.raises(
+            ValueError,
+            match=rf"Parameter 'net/rnn/{name}' is stored with shape "
+            + re.escape(f"{stored}, but {kind} 'net/rnn' expects {stored[::-1]} = {legend} ")
+            + r"for F=3, H=5\. The stored value is transposed",
+        ):
+            layer.apply(wrong.locked(), jnp.zeros((2, 4, f)))
 
 
 def _check_weight_grads(g_params, base, ref, dtype, suffix="") -> None:
