@@ -17,6 +17,7 @@ from blox import core as core
 from blox import data as data
 from blox import distributed as distributed
 from blox import nn as nn
+from blox import parallel as parallel
 from blox import train as train
 from blox.core import Graph as Graph
 from blox.core import Module as Module

@@ -1,0 +1,43 @@
+"""Explicit parallelism as plain functions: the user declares the mesh, the partition
+specs and every collective; blox validates and helps, and never partitions anything
+behind the user's back.
+
+* Mesh: `make_mesh`, `describe_mesh`, `bound_axes`.
+* Rules (path pattern -> per-dimension axes): `param_specs`, `param_shardings`,
+  `opt_state_specs`, `opt_state_shardings`, `sharding_table`, `transformer_tp_rules`.
+* Checked collectives over pytrees: `psum`, `pmean`, `all_gather`, `reduce_scatter`,
+  `ppermute`, `broadcast`.
+* Data parallelism: `dp_value_and_grad` (inside your ``shard_map``), `make_dp_train_step`,
+  `split_batch`.
+* Tensor parallelism: `ColumnParallelLinear`, `RowParallelLinear`, `ParallelMLP`,
+  `ParallelMultiHeadAttention`, `ParallelTransformerBlock`.
+* Per-device RNG streams: `fold_seeds`, `restore_seeds`.
+"""
+
+from blox.parallel._collectives import all_gather as all_gather
+from blox.parallel._collectives import broadcast as broadcast
+from blox.parallel._collectives import pmean as pmean
+from blox.parallel._collectives import ppermute as ppermute
+from blox.parallel._collectives import psum as psum
+from blox.parallel._collectives import reduce_scatter as reduce_scatter
+from blox.parallel._dp import dp_value_and_grad as dp_value_and_grad
+from blox.parallel._dp import make_dp_train_step as make_dp_train_step
+from blox.parallel._dp import split_batch as split_batch
+from blox.parallel._mesh import bound_axes as bound_axes
+from blox.parallel._mesh import describe_mesh as describe_mesh
+from blox.parallel._mesh import make_mesh as make_mesh
+from blox.parallel._rng import fold_seeds as fold_seeds
+from blox.parallel._rng import restore_seeds as restore_seeds
+from blox.parallel._rules import opt_state_shardings as opt_state_shardings
+from blox.parallel._rules import opt_state_specs as opt_state_specs
+from blox.parallel._rules import param_shardings as param_shardings
+from blox.parallel._rules import param_specs as param_specs
+from blox.parallel._rules import sharding_table as sharding_table
+from blox.parallel._tp import ColumnParallelLinear as ColumnParallelLinear
+from blox.parallel._tp import ParallelMLP as ParallelMLP
+from blox.parallel._tp import ParallelMultiHeadAttention as ParallelMultiHeadAttention
+from blox.parallel._tp import ParallelTransformerBlock as ParallelTransformerBlock
+from blox.parallel._tp import RowParallelLinear as RowParallelLinear
+from blox.parallel._tp import transformer_tp_rules as transformer_tp_rules
+
+__all__ = sorted(n for n in dir() if not n.startswith("_"))

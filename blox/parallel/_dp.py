@@ -1,0 +1,414 @@
+"""Data parallelism: gradients inside the shard, accumulated over microbatches, with
+one explicit all-reduce per step; and a train step built from it.
+
+The gradient trap this module exists for (``jax.shard_map`` with ``check_vma=True``, the
+default): params passed with ``P()`` are *invariant* over the data axis, and JAX's
+autodiff transposes their implicit broadcast into a ``psum``. So ``jax.grad`` of a
+per-shard loss already returns the gradient **summed** over the data shards, and a
+hand-written ``pmean(grads, 'data')`` on top (a no-op on invariant values) gives N times
+the single-device gradient, silently. Here the trainable params are first cast to
+*varying* over the data axis (``jax.lax.pcast(..., to='varying')``), so the gradients of
+each microbatch stay local, are summed locally over the microbatches, and are all-reduced
+once (``psum``) and divided by the total weight: the large-batch gradient, exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, PartitionSpec
+
+from blox.core import Params, Rng
+from blox.core._params import Path, format_path
+from blox.parallel._collectives import check_axis
+from blox.parallel._mesh import check_vma_enabled, constrain, varying_axes
+from blox.parallel._rng import fold_seeds, restore_seeds
+
+__all__ = ["dp_value_and_grad", "make_dp_train_step", "split_batch"]
+
+WEIGHT_KEY = "weight"
+
+_BAD_RETURN = (
+    "{where}: loss_fn must return (loss, params), or ((loss, aux), params) with "
+    "has_aux=True, the params being those the model returned; got {got}. Write it as:\n"
+    "    def loss_fn(params, x, y):\n"
+    "        y_hat, params = model(params, x)\n"
+    "        return loss, params"
+)
+
+
+def _unpack(out: Any, has_aux: bool, where: str) -> tuple[jax.Array, Any, Params]:
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Params)):
+        raise TypeError(_BAD_RETURN.format(where=where, got=type(out).__name__))
+    value, params = out
+    if has_aux:
+        if not (isinstance(value, tuple) and len(value) == 2):
+            raise TypeError(
+                f"{where}: with has_aux=True, loss_fn returns ((loss, aux), params); got a "
+                f"first element of type {type(value).__name__}."
+            )
+        loss, aux = value
+    else:
+        loss, aux = value, None
+    loss = jnp.asarray(loss)
+    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(
+            f"{where}: the loss must be a floating scalar, got {loss.dtype} of shape "
+            f"{tuple(loss.shape)}. Reduce it, e.g. jnp.mean(...)."
+        )
+    if isinstance(aux, dict) and WEIGHT_KEY in aux:
+        w = jnp.asarray(aux[WEIGHT_KEY])
+        if w.shape != () or not (
+            jnp.issubdtype(w.dtype, jnp.floating) or jnp.issubdtype(w.dtype, jnp.integer)
+        ):
+            raise ValueError(
+                f"{where}: aux['weight'] must be a number scalar (the real examples or tokens "
+                f"the loss averages over), got {w.dtype} of shape {tuple(w.shape)}."
+            )
+    return loss, aux, params
+
+
+def split_batch(batch: Any, parts: int, *, where: str = "split_batch") -> Any:
+    """Reshapes every leaf ``(B, ...)`` of `batch` to ``(parts, B / parts, ...)``.
+
+    Raises:
+      ValueError: a scalar leaf, or ``B`` not divisible by `parts` (names the leaf).
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    out = []
+    for kp, leaf in flat:
+        shape = tuple(jnp.shape(leaf))
+        if not shape or shape[0] % parts:
+            what = "is a scalar" if not shape else f"has {shape[0]} rows"
+            raise ValueError(
+                f"{where}: batch leaf {jax.tree_util.keystr(kp) or '<root>'} of shape {shape} "
+                f"{what}, which cannot be split into {parts} equal microbatches. Use a per-"
+                f"shard batch that is a multiple of {parts}."
+            )
+        out.append(jnp.reshape(leaf, (parts, shape[0] // parts) + shape[1:]))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _to_varying(tree: Any, axis: tuple[str, ...]) -> Any:
+    def one(x):
+        missing = tuple(a for a in axis if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
+
+
+def _weight(aux: Any, loss: jax.Array) -> jax.Array | None:
+    if isinstance(aux, dict) and WEIGHT_KEY in aux:
+        return jnp.asarray(aux[WEIGHT_KEY]).astype(loss.dtype)
+    return None
+
+
+def dp_value_and_grad(
+    loss_fn: Callable[..., Any],
+    *,
+    axis: str | tuple[str, ...] = "data",
+    microbatches: int = 1,
+    has_aux: bool = False,
+    predicate: Callable[[Path, Any], bool] | None = None,
+    rngs: Sequence[Rng] = (),
+) -> Callable[..., Any]:
+    """Data-parallel gradients, to call **inside** ``jax.shard_map``: local gradients
+    over `microbatches` splits of this shard's batch, summed locally, then one
+    all-reduce over `axis`.
+
+    ``loss_fn(params, *batch)`` returns ``(loss, params)`` or, with `has_aux`,
+    ``((loss, aux), params)``, as `blox.value_and_grad`. The result::
+
+        loss, grads, params = f(params, *batch)            # has_aux=False
+        (loss, aux), grads, params = f(params, *batch)     # has_aux=True
+
+    gives the gradient of the loss over the **whole global batch** (all shards, all
+    microbatches), identical on every device (invariant over `axis`), for the
+    trainable params (``params.split(predicate)[0]``); `params` carries the
+    non-trainable state after the last microbatch.
+
+    Weighting: without a weight, every microbatch counts equally (exact when the loss is
+    a mean over examples, since all microbatches have the same size). When `aux` is a
+    dict with ``aux['weight']`` (the number of real examples or tokens the microbatch's
+    loss averages over, e.g. ``jnp.sum(mask)``), the loss, the gradients and the
+    floating aux leaves are ``sum_i w_i x_i / sum_i w_i`` over all microbatches of all
+    shards: the large-batch masked mean, however unevenly padding falls. A microbatch of
+    weight 0 contributes 0 (even a NaN loss); a total weight of 0 gives 0. Integer aux
+    leaves are summed; ``aux['weight']`` returns the global total.
+
+    Non-trainable state: leaves that come out varying over `axis` (e.g. `BatchNorm`
+    running statistics computed without ``axis_name``) are averaged over `axis` if
+    floating, and raise otherwise (an RNG seed folded per shard and not restored; see
+    `fold_seeds`). With ``axis_name=axis`` a `BatchNorm` already averages its batch
+    statistics over the shards.
+
+    Args:
+      loss_fn: ``(params, *batch) -> (loss, params)`` (or ``((loss, aux), params)``).
+      axis: the data axis (bound by the enclosing ``shard_map``), or a tuple of axes.
+      microbatches: ``k``; splits of the per-shard batch run one after the other in a
+        ``jax.lax.scan`` (memory of one microbatch).
+      has_aux: see above.
+      predicate: ``(path, Param) -> bool`` choosing the differentiated params (default:
+        the trainable flag).
+      rngs: `Rng` modules whose seeds are folded with the index along `axis` for the
+        forward passes (`fold_seeds`: dropout differs per shard) and restored after.
+
+    Returns:
+      ``f(params, *batch)`` as above. Works with ``check_vma=True`` (the default) and
+      ``False``.
+
+    Raises:
+      ValueError: `axis` not bound (called outside ``shard_map``), a per-shard batch not
+        divisible by `microbatches`.
+    """
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(
+            f"dp_value_and_grad: microbatches must be an int >= 1, got {microbatches!r}."
+        )
+    where = "dp_value_and_grad"
+
+    def f(params: Params, *batch: Any):
+        names = check_axis(axis, where)
+        if not isinstance(params, Params):
+            raise TypeError(
+                f"{where}: the first argument must be bx.Params, got {type(params).__name__}."
+            )
+        k = microbatches
+        size = 1
+        for n in names:
+            size *= jax.lax.axis_size(n)
+        params, seeds = fold_seeds(params, rngs, names)
+        trainable, rest = params.split(predicate)
+        # Local gradients: make the params vary over the data axis, so autodiff does not
+        # insert a psum per microbatch (check_vma=True) and the one psum below is the sum.
+        trainable_v = _to_varying(trainable, names)
+
+        def one(nt, mb):
+            def inner(t):
+                loss, aux, new = _unpack(loss_fn(t.merge(nt), *mb), has_aux, where)
+                w = _weight(aux, loss)
+                if w is None:
+                    scaled = loss / jnp.asarray(k * size, loss.dtype)
+                else:
+                    w = jax.lax.stop_gradient(w)
+                    scaled = jnp.where(w > 0, loss * w, jnp.zeros((), loss.dtype))
+                return scaled, (loss, aux, w, new.split(predicate)[1])
+
+            grads, (loss, aux, w, new_nt) = jax.grad(inner, has_aux=True)(trainable_v)
+            if w is None:
+                terms = (loss / jnp.asarray(k * size, loss.dtype), _aux_terms(aux, None, k * size))
+            else:
+                terms = (
+                    jnp.where(w > 0, loss * w, jnp.zeros((), loss.dtype)),
+                    _aux_terms(aux, w, k * size),
+                )
+            return (grads, terms, w), new_nt
+
+        if k == 1:
+            sums, rest = one(rest, batch)
+        else:
+            micro = split_batch(batch, k, where=where)
+            first = jax.tree.map(lambda x: x[0], micro)
+            # Carry types: state that comes out varying over the axis must go in varying.
+            for _ in range(3):
+                out = jax.eval_shape(one, rest, first)
+                promote = jax.tree.map(
+                    lambda r, o: bool(varying_axes(o) - varying_axes(r)), rest, out[1]
+                )
+                if not any(jax.tree.leaves(promote)):
+                    break
+                rest = jax.tree.map(lambda r, p: _to_varying(r, names) if p else r, rest, promote)
+            zeros = jax.tree.map(
+                lambda s: _to_varying(jnp.zeros(s.shape, s.dtype), tuple(varying_axes(s))),
+                out[0],
+            )
+
+            def body(carry, mb):
+                acc, nt = carry
+                new, nt = one(nt, mb)
+                return (jax.tree.map(jnp.add, acc, new), nt), None
+
+            (sums, rest), _ = jax.lax.scan(body, (zeros, rest), micro)
+
+        grads, (loss, aux), w = sums
+        # The one all-reduce of the step (gradients, loss, metrics and weight together).
+        reduce_axis = names if len(names) > 1 else names[0]
+        grads, loss, aux, w = jax.lax.psum((grads, loss, aux, w), reduce_axis)
+        if w is not None:
+            denom = jnp.where(w > 0, w, jnp.ones((), w.dtype))
+            grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
+            loss = loss / denom.astype(loss.dtype)
+            aux = _aux_finish(aux, denom, w)
+        rest = restore_seeds(rest, seeds)
+        rest = _settle_state(rest, names, where)
+        out_params = trainable.merge(rest)
+        return ((loss, aux) if has_aux else loss), grads, out_params
+
+    return f
+
+
+def _aux_terms(aux: Any, w: jax.Array | None, n: int) -> Any:
+    """Per-microbatch contributions of the aux leaves to their (weighted) mean."""
+
+    def one(kp, x):
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+            return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+        if w is None:
+            return x / jnp.asarray(n, x.dtype)  # a mean over microbatches and shards
+        if _is_weight(kp):
+            return x
+        return jnp.where(w > 0, x * w.astype(x.dtype), jnp.zeros((), x.dtype))
+
+    return jax.tree_util.tree_map_with_path(one, aux) if aux is not None else None
+
+
+def _is_weight(kp: Any) -> bool:
+    return len(kp) == 1 and getattr(kp[0], "key", None) == WEIGHT_KEY
+
+
+def _aux_finish(aux: Any, denom: jax.Array, w: jax.Array) -> Any:
+    def one(kp, x):
+        if _is_weight(kp):
+            return w.astype(x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return x / denom.astype(x.dtype)
+        return x
+
+    return jax.tree_util.tree_map_with_path(one, aux) if aux is not None else None
+
+
+def _settle_state(rest: Params, names: tuple[str, ...], where: str) -> Params:
+    """Makes the non-trainable state invariant over the data axis (floating: mean)."""
+    if not check_vma_enabled():
+        return rest
+    values = []
+    for key, v in rest.arrays().items():
+        axes = tuple(n for n in names if n in varying_axes(v))
+        if axes:
+            if not jnp.issubdtype(v.dtype, jnp.floating):
+                raise ValueError(
+                    f"{where}: the non-trainable parameter '{format_path(key)}' ({v.dtype}) "
+                    f"differs between the shards of axis {axes} after the forward pass, so it "
+                    "cannot be returned replicated. If it is an Rng seed folded with the axis "
+                    "index, restore it before returning:\n"
+                    "    params, seeds = bp.fold_seeds(params, [rng], 'data')\n"
+                    "    ...forward...\n"
+                    "    params = bp.restore_seeds(params, seeds)"
+                )
+            v = jax.lax.pmean(v, axes if len(axes) > 1 else axes[0])
+        values.append(v)
+    return Params._make(rest._struct, tuple(values))
+
+
+def make_dp_train_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    axis: str = "data",
+    microbatches: int = 1,
+    has_aux: bool = False,
+    param_specs: Params | None = None,
+    batch_spec: PartitionSpec | None = None,
+    rngs: Sequence[Rng] = (),
+    predicate: Callable[[Path, Any], bool] | None = None,
+) -> Callable[..., Any]:
+    """Builds ``step(params, opt_state, *batch) -> (params, opt_state, metrics)`` for a
+    data-parallel (or DP x TP) step; the user jits it (``jax.jit(step,
+    donate_argnums=(0, 1))``).
+
+    What it does, all written out in plain JAX:
+
+    1. Checks, before compiling, that the global batch divides by
+       ``mesh.shape[axis] * microbatches``.
+    2. ``jax.shard_map`` over `mesh` (``check_vma=True``): the batch split over `axis`
+       (``P(axis)`` on its leading dimension, or `batch_spec`), the params with
+       `param_specs` (default: replicated). Inside, `fold_seeds` folds each of `rngs`
+       with the data index (dropout differs per shard), `dp_value_and_grad` computes the
+       global-batch gradients with one all-reduce, `restore_seeds` restores the seeds.
+    3. Outside the ``shard_map`` (global view, so ``clip_by_global_norm`` and friends see
+       whole arrays): ``tx.update`` and ``optax.apply_updates`` on the trainable params.
+
+    Args:
+      loss_fn: ``(params, *batch) -> (loss, params)`` or ``((loss, aux), params)``.
+      tx: the Optax transformation (its state from ``tx.init(params.split()[0])``).
+      mesh: the device mesh; `axis` must be one of its axes.
+      axis: the data axis.
+      microbatches: gradient accumulation steps inside each shard.
+      has_aux: `loss_fn` returns aux (a dict ``aux['weight']`` weights the mean; see
+        `dp_value_and_grad`).
+      param_specs: the params' ``PartitionSpec`` tree (`param_specs` with rules), for
+        DP x TP; the params passed in must already have these shardings.
+      batch_spec: the spec of every batch leaf (default ``P(axis)``).
+      rngs: the `Rng` modules whose seeds are folded with the data-axis index.
+      predicate: ``(path, Param) -> bool``: which params are trained.
+
+    Returns:
+      ``step``; ``metrics`` is ``{'loss': loss}`` plus the aux dict's entries (or
+      ``'aux'`` for a non-dict aux).
+
+    Raises:
+      ValueError: `axis` not in the mesh; a batch not divisible by data x microbatches.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"make_dp_train_step: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}."
+        )
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"make_dp_train_step: data axis {axis!r} is not an axis of the mesh "
+            f"{dict(mesh.shape)}. Pass axis=<one of {tuple(mesh.axis_names)}>."
+        )
+    dp = mesh.shape[axis]
+    bspec = PartitionSpec(axis) if batch_spec is None else batch_spec
+    grad_fn = dp_value_and_grad(
+        loss_fn,
+        axis=axis,
+        microbatches=microbatches,
+        has_aux=has_aux,
+        predicate=predicate,
+        rngs=rngs,
+    )
+
+    def step(params: Params, opt_state: Any, *batch: Any):
+        if not isinstance(params, Params):
+            raise TypeError(
+                f"make_dp_train_step: params must be bx.Params, got {type(params).__name__}."
+            )
+        for kp, leaf in jax.tree_util.tree_leaves_with_path(batch):
+            shape = tuple(jnp.shape(leaf))
+            if not shape or shape[0] % (dp * microbatches):
+                rows = "a scalar" if not shape else f"{shape[0]} rows"
+                raise ValueError(
+                    f"make_dp_train_step: batch leaf {jax.tree_util.keystr(kp)} of shape "
+                    f"{shape} has {rows}, not divisible by data-parallel size {dp} x "
+                    f"microbatches {microbatches} = {dp * microbatches}. Use a global batch "
+                    f"that is a multiple of {dp * microbatches} (or drop the remainder)."
+                )
+        specs = param_specs
+        if specs is None:
+            specs = jax.tree.map(lambda _: PartitionSpec(), params)
+        trainable, _ = params.split(predicate)
+        t_specs, _ = specs.split(lambda p, _: p in trainable)
+        batch = tuple(jax.tree.map(lambda x: constrain(x, mesh, bspec), b) for b in batch)
+        in_specs = (specs, *(jax.tree.map(lambda _: bspec, b) for b in batch))
+        out_specs = (PartitionSpec(), t_specs, specs)
+        value, grads, params = jax.shard_map(
+            grad_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs
+        )(params, *batch)
+        trainable, rest = params.split(predicate)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        params = optax.apply_updates(trainable, updates).merge(rest)
+        if has_aux:
+            loss, aux = value
+            metrics = {"loss": loss, **aux} if isinstance(aux, dict) else {"loss": loss, "aux": aux}
+        else:
+            metrics = {"loss": value}
+        return params, opt_state, metrics
+
+    return step

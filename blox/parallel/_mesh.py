@@ -1,0 +1,220 @@
+"""Building and describing a device mesh, and asking which axes are bound where."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["bound_axes", "describe_mesh", "make_mesh"]
+
+_AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
+
+
+def _axis_types(axis_types: Any, n: int) -> tuple[AxisType, ...] | None:
+    if axis_types is None:
+        return None
+    if isinstance(axis_types, (str, AxisType)):
+        axis_types = (axis_types,) * n
+    out = []
+    for t in axis_types:
+        if isinstance(t, str) and t.lower() in _AXIS_TYPES:
+            t = _AXIS_TYPES[t.lower()]
+        if not isinstance(t, AxisType) or t == AxisType.Manual:
+            raise ValueError(
+                f"make_mesh: axis type {t!r} is not 'explicit' or 'auto'. Pass "
+                "axis_types='explicit' (JAX's default: shardings are part of array types) or "
+                "'auto' (the compiler propagates shardings), or one per axis."
+            )
+        out.append(t)
+    if len(out) != n:
+        raise ValueError(
+            f"make_mesh: {len(out)} axis types {tuple(out)} for {n} axes; give one per axis "
+            "or a single one for all."
+        )
+    return tuple(out)
+
+
+def make_mesh(
+    axis_shapes: Sequence[int | None],
+    axis_names: Sequence[str],
+    *,
+    devices: Sequence[Any] | None = None,
+    axis_types: str | AxisType | Sequence[str | AxisType] | None = None,
+) -> Mesh:
+    """A `jax.sharding.Mesh` with named axes, at most one of whose lengths is inferred.
+
+    ``make_mesh((-1, 2), ('data', 'model'))`` on 8 devices gives ``data=4, model=2``.
+    The product of the lengths must equal the number of devices used.
+
+    Args:
+      axis_shapes: one length per axis; at most one may be ``-1`` or ``None`` (inferred
+        from the device count).
+      axis_names: one distinct string per axis.
+      devices: the devices to use (default: all of ``jax.devices()``). Pass e.g.
+        ``jax.devices()[:2]`` to use a subset.
+      axis_types: ``'explicit'`` (JAX's default: shardings are part of array types and
+        a matmul over a sharded contracting dimension needs an ``out_sharding``),
+        ``'auto'`` (the compiler propagates shardings), or one per axis. ``None`` keeps
+        ``jax.make_mesh``'s default.
+
+    Returns:
+      The mesh (built by ``jax.make_mesh``, so the device order follows the hardware).
+
+    Raises:
+      ValueError: names not distinct strings, a count that differs from the shapes, two
+        inferred lengths, a length that is not positive, or lengths whose product does
+        not equal (or, with an inferred one, divide) the device count; the message
+        names the axes, the lengths and the device count.
+
+    >>> import jax
+    >>> from blox import parallel as bp
+    >>> mesh = bp.make_mesh((-1,), ('data',))
+    >>> mesh.shape['data'] == len(jax.devices())
+    True
+    """
+    names = tuple(axis_names)
+    shapes = tuple(axis_shapes)
+    if (
+        not names
+        or not all(isinstance(n, str) and n for n in names)
+        or len(set(names)) != len(names)
+    ):
+        raise ValueError(
+            f"make_mesh: axis_names must be distinct non-empty strings, got {names!r}. "
+            "Use e.g. ('data', 'model')."
+        )
+    if len(shapes) != len(names):
+        raise ValueError(
+            f"make_mesh: {len(shapes)} lengths {shapes} for {len(names)} axes {names}; give "
+            "one length per axis (-1 for the one to infer)."
+        )
+    devices = list(jax.devices() if devices is None else devices)
+    n_dev = len(devices)
+    if n_dev == 0:
+        raise ValueError("make_mesh: the device list is empty.")
+    given = dict(zip(names, shapes, strict=True))
+    inferred = [i for i, s in enumerate(shapes) if s is None or s == -1]
+    if len(inferred) > 1:
+        which = ", ".join(names[i] for i in inferred)
+        raise ValueError(
+            f"make_mesh: axes {which} all ask to be inferred ({given}); "
+            "at most one length may be -1/None. Give the others explicitly."
+        )
+    for name, s in zip(names, shapes, strict=True):
+        if s is None or s == -1:
+            continue
+        if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 1:
+            raise ValueError(
+                f"make_mesh: axis {name!r} has length {s!r}; lengths must be positive ints "
+                "(or -1/None for the inferred one)."
+            )
+    known = math.prod(int(s) for i, s in enumerate(shapes) if i not in inferred)
+    layout = ", ".join(
+        f"{n}={'?' if i in inferred else int(s)}" for i, (n, s) in enumerate(given.items())
+    )
+    if inferred:
+        if n_dev % known:
+            raise ValueError(
+                f"make_mesh: the lengths of the other axes ({layout}) multiply to {known}, "
+                f"which does not divide the {n_dev} devices, so axis "
+                f"{names[inferred[0]]!r} cannot be inferred. Choose lengths whose product "
+                f"divides {n_dev}."
+            )
+        shapes = tuple(n_dev // known if i in inferred else int(s) for i, s in enumerate(shapes))
+    elif known != n_dev:
+        hint = (
+            f"pass devices=jax.devices()[:{known}] to use a subset"
+            if known < n_dev and n_dev % known == 0
+            else f"choose lengths whose product is {n_dev}"
+        )
+        raise ValueError(
+            f"make_mesh: axes ({layout}) need {known} devices, but {n_dev} are used. Make "
+            f"one length -1 to infer it, or {hint}."
+        )
+    types = _axis_types(axis_types, len(names))
+    return jax.make_mesh(shapes, names, axis_types=types, devices=devices)
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    """A one-line description: axis names and lengths, axis types, device count and
+    kind, and process count.
+
+    >>> import jax
+    >>> from blox import parallel as bp
+    >>> print(bp.describe_mesh(bp.make_mesh((1,), ('data',), devices=jax.devices()[:1])))
+    Mesh(data=1; Explicit) over 1 cpu device (cpu), 1 process
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"describe_mesh expects a jax.sharding.Mesh, got {type(mesh).__name__}. Build one "
+            "with blox.parallel.make_mesh."
+        )
+    axes = ", ".join(f"{n}={s}" for n, s in mesh.shape.items())
+    types = {t.name for t in mesh.axis_types}
+    kind = types.pop() if len(types) == 1 else ", ".join(t.name for t in mesh.axis_types)
+    devs = mesh.devices.ravel()
+    n = len(devs)
+    kinds = sorted({d.device_kind for d in devs})
+    platform = devs[0].platform
+    procs = len({d.process_index for d in devs})
+    return (
+        f"Mesh({axes}; {kind}) over {n} {platform} device{'s' if n != 1 else ''} "
+        f"({', '.join(kinds)}), {procs} process{'es' if procs != 1 else ''}"
+    )
+
+
+def bound_axes() -> tuple[str, ...]:
+    """The axis names bound where this is called (traced): the manual axes of an
+    enclosing ``jax.shard_map`` and the ``axis_name`` of an enclosing ``jax.vmap``.
+
+    Collectives (``psum`` ...) work only over these. Outside any such transform the
+    result is ``()``; a mesh set with ``jax.set_mesh`` does not bind its axes.
+
+    >>> from blox import parallel as bp
+    >>> bp.bound_axes()
+    ()
+    """
+    from jax._src import core  # the axis environment has no public accessor in jax 0.10
+
+    return tuple(core.get_axis_env().axis_names())
+
+
+# ---------------------------------------------------------------------------
+# Internal helpers shared by the other modules
+# ---------------------------------------------------------------------------
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual axes over which the (traced) value `x` varies (``check_vma`` types)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        mat = getattr(x, "manual_axis_type", None)
+        return frozenset(getattr(mat, "varying", ()) if mat is not None else ())
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def check_vma_enabled() -> bool:
+    """Whether the enclosing ``shard_map`` tracks varying axes (``check_vma=True``)."""
+    from jax._src import config  # no public accessor in jax 0.10
+
+    return bool(config._check_vma.value)
+
+
+def constrain(x: Any, mesh: Mesh, spec: PartitionSpec) -> Any:
+    """Puts `x` (traced or concrete) on ``NamedSharding(mesh, spec)``: a ``reshard`` when
+    every axis in `spec` is Explicit, else a sharding constraint (Auto axes)."""
+    names = [n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))]
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    explicit = [n for n, t in types.items() if t == AxisType.Explicit]
+    # reshard accepts Explicit axes only; a constraint handles Auto ones.
+    if all(n in explicit for n in (names or types)):
+        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,0 +1,267 @@
+"""Tensor parallelism against the unsharded blox.nn layers (same Params): forward and
+every gradient, GQA, masks, dropout, the all-reduce count in the HLO, global (jit) mode
+on Explicit and Auto meshes, and the errors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import blox as bx
+from blox import parallel as bp
+from tests.tolerances import tol
+
+F32 = tol(jnp.float32)
+TYPES = ["explicit", "auto"]
+RULES = bp.transformer_tp_rules() + [("rng/(seed|counter)", None)]
+D, N, F, B, T = 16, 4, 32, 4, 6
+
+
+def _x(seed=0, shape=(B, T, D)):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+def _pair(make_ref, make_tp, x, seed=0, name="block"):
+    """The unsharded and the TP module on two graphs with the same paths; one Params."""
+    g1, g2 = bx.Graph("net"), bx.Graph("net")
+    r1, r2 = bx.Rng(g1 / "rng"), bx.Rng(g2 / "rng")
+    ref, tp = make_ref(g1 / name, r1), make_tp(g2 / name, r2)
+    params = r1.seed(bx.Params(), seed=seed)
+    _, params = ref(params, x, is_training=False)
+    return ref, tp, params.locked(), (r1, r2)
+
+
+def _block_pair(x, **kw):
+    return _pair(
+        lambda g, r: bx.TransformerBlock(g, model_size=D, num_heads=N, rng=r, mlp_size=F, **kw),
+        lambda g, r: bp.ParallelTransformerBlock(
+            g, model_size=D, num_heads=N, rng=r, mlp_size=F, **kw
+        ),
+        x,
+    )
+
+
+def _sharded_call(tp, params, mesh, rules, call_kw, x_spec=None):
+    x_spec = P("data") if x_spec is None else x_spec
+    specs = bp.param_specs(params, rules, mesh)
+    cot = _x(7, (B, T, D))
+
+    def fwd(p, x):
+        return tp(p, x, **call_kw)[0]
+
+    def loss(t, nt, x, c):
+        # Sum over the data shards inside the loss: the gradient is the total.
+        return jax.lax.psum(jnp.sum(fwd(t.merge(nt), x) * c), "data")
+
+    def body(p, x, c):
+        t, nt = p.split()
+        return fwd(p, x), jax.grad(loss)(t, nt, x, c)
+
+    t_specs = specs.split()[0]
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(specs, x_spec, x_spec), out_specs=(x_spec, t_specs)
+        )
+    )
+    ps = jax.device_put(params, bp.param_shardings(params, rules, mesh))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, x_spec))  # noqa: E731
+    return f, ps, put, cot
+
+
+def _check(ref, params, x, call_kw, y, grads, cot):
+    def ref_loss(p):
+        return jnp.sum(ref(p, x, **call_kw)[0] * cot)
+
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref(params, x, **call_kw)[0]), **F32)
+    t, nt = params.split()
+    ref_g = jax.grad(lambda t: ref_loss(t.merge(nt)))(t)
+    for path in params.split()[0].keys():
+        want = np.asarray(ref_g[path].value)
+        # rtol 1e-5; atol 1e-6 or 1e-5 of the largest entry: entries that cancel to ~0
+        # carry float32 sum-order noise of the big terms (summation order differs by shard).
+        np.testing.assert_allclose(
+            np.asarray(grads[path].value),
+            want,
+            rtol=F32["rtol"],
+            atol=max(F32["atol"], 1e-5 * float(np.max(np.abs(want)))),
+            err_msg=str(path),
+        )
+
+
+@pytest.mark.parametrize("types", TYPES)
+def test_block_on_2x4_equals_unsharded_forward_and_every_gradient(types):
+    x = _x()
+    ref, tp, params, _ = _block_pair(x)
+    mesh = bp.make_mesh((2, 4), ("data", "model"), axis_types=types)
+    kw = dict(is_causal=True, is_training=False)
+    with jax.default_matmul_precision("highest"):
+        f, ps, put, cot = _sharded_call(tp, params, mesh, RULES, kw)
+        y, grads = f(ps, put(x), put(cot))
+        _check(ref, params, x, kw, y, grads, cot)
+    assert grads[("net", "block", "attn", "query", "kernel")].value.sharding.spec == P(
+        None, "model"
+    )
+
+
+def _count_all_reduce(f, *args):
+    text = jax.jit(f).lower(*args).as_text()
+    return len(re.findall(r"stablehlo\.all_reduce|all-reduce\(", text))
+
+
+def test_hlo_has_one_all_reduce_per_row_parallel_layer_in_forward():
+    x = _x()
+    ref, tp, params, _ = _block_pair(x)
+    mesh = bp.make_mesh((2, 4), ("data", "model"))
+    specs = bp.param_specs(params, RULES, mesh)
+    ps = jax.device_put(params, bp.param_shardings(params, RULES, mesh))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+
+    def block(p, x):
+        return tp(p, x, is_causal=True, is_training=False)[0]
+
+    def mlp(p, x):
+        return tp.mlp(p, x)[0]
+
+    for fn, n in ((block, 2), (mlp, 1)):
+        f = jax.shard_map(fn, mesh=mesh, in_specs=(specs, P("data")), out_specs=P("data"))
+        assert _count_all_reduce(f, ps, xs) == n, fn.__name__
+
+
+@pytest.mark.parametrize(
+    "heads,kv,model,shard_kv",
+    [(4, 2, 2, True), (8, 4, 4, True), (4, 1, 4, False)],
+)
+def test_attention_heads_split_with_gqa_and_masks(heads, kv, model, shard_kv):
+    x = _x(1)
+    key_mask = jnp.asarray(np.arange(T)[None, :] < np.array([6, 4, 5, 3])[:, None])
+    ref, tp, params, _ = _pair(
+        lambda g, r: bx.MultiHeadAttention(
+            g, model_size=D, num_heads=heads, rng=r, num_kv_heads=kv, use_rope=True
+        ),
+        lambda g, r: bp.ParallelMultiHeadAttention(
+            g, model_size=D, num_heads=heads, rng=r, num_kv_heads=kv, use_rope=True
+        ),
+        x,
+        name="attn",
+    )
+    data = 8 // model
+    mesh = bp.make_mesh((data, model), ("data", "model"))
+    rules = bp.transformer_tp_rules(shard_kv=shard_kv) + [("rng/(seed|counter)", None)]
+    with jax.default_matmul_precision("highest"):
+        kw = dict(is_causal=True, is_training=False)
+        f, ps, put, cot = _sharded_call(tp, params, mesh, rules, kw)
+        y, grads = f(ps, put(x), put(cot))
+        _check(ref, params, x, kw, y, grads, cot)
+    if kv != 1:
+        return
+    # A padding mask (one case: it costs a compile), model-only mesh (not split over data).
+    mesh = bp.make_mesh((1, model), ("data", "model"), devices=jax.devices()[:model])
+    kw = dict(key_mask=key_mask, is_training=False)
+    with jax.default_matmul_precision("highest"):
+        f, ps, put, cot = _sharded_call(tp, params, mesh, rules, kw)
+        y, grads = f(ps, put(x), put(cot))
+        _check(ref, params, x, kw, y, grads, cot)
+
+
+def test_dropout_in_tp_block_equals_unsharded_with_the_same_keys():
+    x = _x(2)
+    ref, tp, params, _ = _block_pair(x, dropout_rate=0.2, attention_dropout_rate=0.3)
+    mesh = bp.make_mesh((1, 4), ("data", "model"), devices=jax.devices()[:4])
+    kw = dict(is_causal=True, is_training=True)
+    with jax.default_matmul_precision("highest"):
+        f, ps, put, cot = _sharded_call(tp, params, mesh, RULES, kw)
+        y, grads = f(ps, put(x), put(cot))
+        _check(ref, params, x, kw, y, grads, cot)
+    assert not np.allclose(
+        np.asarray(y), np.asarray(ref(params, x, is_causal=True, is_training=False)[0])
+    )
+
+
+@pytest.mark.parametrize("types", TYPES)
+def test_global_mode_under_jit_on_explicit_and_auto_meshes(types):
+    """No shard_map: params sharded by the rules, jit; on an Explicit mesh the
+    row-parallel matmuls pass out_sharding (JAX raises without it)."""
+    x = _x(3)
+    ref, tp, params, _ = _block_pair(x)
+    mesh = bp.make_mesh((2, 4), ("data", "model"), axis_types=types)
+    ps = jax.device_put(params, bp.param_shardings(params, RULES, mesh))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    with jax.default_matmul_precision("highest"):
+        y = jax.jit(lambda p, x: tp(p, x, is_causal=True, is_training=False)[0])(ps, xs)
+        want = ref(params, x, is_causal=True, is_training=False)[0]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), **F32)
+    if types == "explicit":
+        assert y.sharding.spec == P("data", None, None)
+
+
+def test_same_params_serve_both_and_layouts_match():
+    x = _x()
+    ref, tp, params, _ = _block_pair(x)
+    g = bx.Graph("net")
+    r = bx.Rng(g / "rng")
+    tp2 = bp.ParallelTransformerBlock(g / "block", model_size=D, num_heads=N, rng=r, mlp_size=F)
+    _, own = tp2(r.seed(bx.Params(), seed=0), x, is_training=False)
+    assert own.keys() == params.keys()
+    for k in params.keys():
+        assert own[k].value.shape == params[k].value.shape, k
+
+
+def test_errors_heads_hidden_unsharded_params_and_check_vma():
+    x = _x()
+    mesh = bp.make_mesh((2, 4), ("data", "model"))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))  # noqa: E731
+    # Heads not divisible by the model axis.
+    ref, tp, params, _ = _pair(
+        lambda g, r: bx.MultiHeadAttention(g, model_size=D, num_heads=2, rng=r),
+        lambda g, r: bp.ParallelMultiHeadAttention(g, model_size=D, num_heads=2, rng=r),
+        x,
+        name="attn",
+    )
+    rep = bp.param_specs(params, [(".*", None)])
+    f = jax.shard_map(
+        lambda p, x: tp(p, x)[0], mesh=mesh, in_specs=(rep, P("data")), out_specs=P("data")
+    )
+    with pytest.raises(ValueError, match="num_heads = 2 is not divisible by the size 4"):
+        f(jax.device_put(params, NamedSharding(mesh, P())), put(x))
+    # Hidden size not divisible.
+    g = bx.Graph("net")
+    r = bx.Rng(g / "rng")
+    mlp = bp.ParallelMLP(g / "mlp", 6, D, r)
+    _, mp = mlp(r.seed(bx.Params(), seed=0), x)
+    specs = bp.param_specs(mp.locked(), [(".*", None)])
+    f = jax.shard_map(
+        lambda p, x: mlp(p, x)[0], mesh=mesh, in_specs=(specs, P("data")), out_specs=P("data")
+    )
+    with pytest.raises(ValueError, match=r"'kernel' \(16, 6\) \(size 6\) is not divisible by"):
+        f(jax.device_put(mp.locked(), NamedSharding(mesh, P())), put(x))
+    # Params passed replicated where the layer expects shards.
+    g = bx.Graph("net")
+    r = bx.Rng(g / "rng")
+    mlp = bp.ParallelMLP(g / "mlp", 8, D, r)
+    mp = mlp(r.seed(bx.Params(), seed=0), x)[1].locked()
+    specs = bp.param_specs(mp, [(".*", None)])
+    f = jax.shard_map(
+        lambda p, x: mlp(p, x)[0], mesh=mesh, in_specs=(specs, P("data")), out_specs=P("data")
+    )
+    with pytest.raises(ValueError, match=r"local shape \(16, 8\), expected \(16, 2\)"):
+        f(jax.device_put(mp, NamedSharding(mesh, P())), put(x))
+    # check_vma=False.
+    tp_specs = bp.param_specs(mp, bp.transformer_tp_rules() + [("rng/.*", None)], mesh)
+    f = jax.shard_map(
+        lambda p, x: mlp(p, x)[0],
+        mesh=mesh,
+        in_specs=(tp_specs, P("data")),
+        out_specs=P("data"),
+        check_vma=False,
+    )
+    with pytest.raises(ValueError, match="need jax.shard_map.*check_vma=True"):
+        f(
+            jax.device_put(
+                mp, bp.param_shardings(mp, bp.transformer_tp_rules() + [("rng/.*", None)], mesh)
+            ),
+            put(x),
+        )
