@@ -12,6 +12,8 @@ behind the user's back.
 * Tensor parallelism: `ColumnParallelLinear`, `RowParallelLinear`, `ParallelMLP`,
   `ParallelMultiHeadAttention`, `ParallelTransformerBlock`.
 * Per-device RNG streams: `fold_seeds`, `restore_seeds`.
+* Pipeline parallelism: `pipeline_value_and_grad`, `stack_stages`, `unstack_stages`,
+  `Schedule`, `Action`, `gpipe_schedule`, `one_f_one_b_schedule`.
 """
 
 from blox.parallel._collectives import all_gather as all_gather
@@ -26,6 +28,9 @@ from blox.parallel._dp import split_batch as split_batch
 from blox.parallel._mesh import bound_axes as bound_axes
 from blox.parallel._mesh import describe_mesh as describe_mesh
 from blox.parallel._mesh import make_mesh as make_mesh
+from blox.parallel._pipeline import pipeline_value_and_grad as pipeline_value_and_grad
+from blox.parallel._pipeline import stack_stages as stack_stages
+from blox.parallel._pipeline import unstack_stages as unstack_stages
 from blox.parallel._rng import fold_seeds as fold_seeds
 from blox.parallel._rng import restore_seeds as restore_seeds
 from blox.parallel._rules import opt_state_shardings as opt_state_shardings
@@ -33,6 +38,10 @@ from blox.parallel._rules import opt_state_specs as opt_state_specs
 from blox.parallel._rules import param_shardings as param_shardings
 from blox.parallel._rules import param_specs as param_specs
 from blox.parallel._rules import sharding_table as sharding_table
+from blox.parallel._schedules import Action as Action
+from blox.parallel._schedules import Schedule as Schedule
+from blox.parallel._schedules import gpipe_schedule as gpipe_schedule
+from blox.parallel._schedules import one_f_one_b_schedule as one_f_one_b_schedule
 from blox.parallel._tp import ColumnParallelLinear as ColumnParallelLinear
 from blox.parallel._tp import ParallelMLP as ParallelMLP
 from blox.parallel._tp import ParallelMultiHeadAttention as ParallelMultiHeadAttention

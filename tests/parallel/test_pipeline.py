@@ -1,0 +1,457 @@
+"""Pipeline parallelism (GPipe, 1F1B) against the same model run sequentially on one
+device with plain ``jax.value_and_grad`` (the independent reference), the schedule
+tables, compiled temp memory, DP x PP, and every misuse error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import blox as bx
+from blox.parallel._pipeline import pipeline_value_and_grad, stack_stages, unstack_stages
+from blox.parallel._schedules import (
+    Action,
+    Schedule,
+    gpipe_schedule,
+    one_f_one_b_schedule,
+)
+from tests.tolerances import tol
+
+P_STAGES, WIDTH, D_IN, CLASSES = 4, 8, 5, 3
+F32 = tol(jnp.float32)
+
+
+class Counter(bx.Module):
+    """Non-trainable state: counts calls and keeps a running mean of its input."""
+
+    def __call__(self, params, h):
+        n, params = self.get_param(
+            params, "calls", (), jax.nn.initializers.zeros, dtype=jnp.int32, trainable=False
+        )
+        mu, params = self.get_param(
+            params, "mean", (h.shape[-1],), jax.nn.initializers.zeros, trainable=False
+        )
+        params = self.set_param(params, "calls", n + 1)
+        params = self.set_param(params, "mean", 0.9 * mu + 0.1 * jnp.mean(h, axis=0))
+        return h, params
+
+
+def _model():
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    embed = bx.Linear(g / "embed", WIDTH, rng)
+    head = bx.Linear(g / "head", CLASSES, rng)
+    sg = bx.Graph("stage")
+    srng = bx.Rng(sg / "rng")
+    fc = bx.Linear(sg / "fc", WIDTH, srng)
+    count = Counter(sg / "count")
+
+    def first_fn(params, x):
+        return embed(params, x, precision="highest")
+
+    def stage_fn(params, h):
+        y, params = fc(params, h, precision="highest")
+        y, params = count(params, y)
+        return h + jnp.tanh(y), params
+
+    def last_fn(params, h, y):
+        logits, params = head(params, h, precision="highest")
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y)), params
+
+    shared = rng.seed(bx.Params(), seed=0)
+    h, shared = first_fn(shared, jnp.zeros((1, D_IN)))
+    _, shared = last_fn(shared, h, jnp.zeros((1,), jnp.int32))
+    stages = []
+    for s in range(P_STAGES):
+        p = srng.seed(bx.Params(), seed=10 + s)
+        stages.append(stage_fn(p, h)[1].locked())
+    return first_fn, stage_fn, last_fn, shared.locked(), stages
+
+
+def _data(n, seed=0):
+    r = np.random.default_rng(seed)
+    return (
+        jnp.asarray(r.normal(size=(n, D_IN)), jnp.float32),
+        jnp.asarray(r.integers(0, CLASSES, size=(n,)), jnp.int32),
+    )
+
+
+def _sequential(first_fn, stage_fn, last_fn, shared, stages, x, y, m):
+    """One device, no pipeline: microbatch by microbatch, stage by stage."""
+
+    def loss_fn(trainables, states, st_sh):
+        tr_sh, trs = trainables
+        losses = []
+        for i in range(m):
+            sl = slice(i * x.shape[0] // m, (i + 1) * x.shape[0] // m)
+            h, p_sh = first_fn(tr_sh.merge(st_sh), x[sl])
+            for s in range(P_STAGES):
+                h, p = stage_fn(trs[s].merge(states[s]), h)
+                states[s] = p.split()[1]
+            loss, p_sh = last_fn(p_sh, h, y[sl])
+            st_sh = p_sh.split()[1]
+            losses.append(loss)
+        return sum(losses) / m, (states, st_sh)
+
+    trainables = (shared.split()[0], [s.split()[0] for s in stages])
+    (loss, (states, st_sh)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+        trainables, [s.split()[1] for s in stages], shared.split()[1]
+    )
+    return loss, grads, states, st_sh
+
+
+def _mesh(shape=(P_STAGES,), names=("stage",)):
+    return jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+
+
+def _close(a, b, **kw):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+
+
+# -- 1. numerics against the sequential model -----------------------------------------------
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_matches_sequential(schedule, m):
+    first_fn, stage_fn, last_fn, shared, stages = _model()
+    x, y = _data(2 * m)
+    ref_loss, (ref_g_sh, ref_g), ref_states, ref_st_sh = _sequential(
+        first_fn, stage_fn, last_fn, shared, stages, x, y, m
+    )
+    step = jax.jit(
+        pipeline_value_and_grad(
+            stage_fn, last_fn, _mesh(), schedule=schedule, num_microbatches=m, first_fn=first_fn
+        )
+    )
+    with jax.default_matmul_precision("highest"):
+        loss, (g, g_sh), (new_stages, new_shared) = step(stack_stages(stages), shared, x, y)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(g_sh, ref_g_sh, rtol=1e-5, atol=1e-6)
+    for s, gs in enumerate(unstack_stages(g)):
+        _close(gs, ref_g[s], rtol=1e-5, atol=1e-6)
+    for s, ps in enumerate(unstack_stages(new_stages)):  # non-trainable state came back
+        assert (
+            int(ps["stage", "count", "calls"].value)
+            == int(stages[s]["stage", "count", "calls"].value) + m
+        )
+        _close(ps.split()[1], ref_states[s], rtol=1e-5, atol=1e-6)
+    _close(new_shared.split()[1], ref_st_sh, rtol=0, atol=0)
+
+
+def test_bfloat16_activations_close_to_float32_reference():
+    """bf16 inputs and params: the pipeline agrees with the f32 sequential run to bf16
+    tolerance."""
+    first_fn, stage_fn, last_fn, shared, stages = _model()
+    x, y = _data(8)
+    ref_loss, (_, ref_g), _, _ = _sequential(first_fn, stage_fn, last_fn, shared, stages, x, y, 4)
+    bf = lambda t: jax.tree.map(
+        lambda v: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v, t
+    )  # noqa: E731
+    step = jax.jit(
+        pipeline_value_and_grad(
+            stage_fn,
+            lambda p, h, y: last_fn(p, h.astype(jnp.float32), y),
+            _mesh(),
+            schedule="1f1b",
+            num_microbatches=4,
+            first_fn=first_fn,
+        )
+    )
+    loss, (g, _), _ = step(stack_stages([bf(s) for s in stages]), bf(shared), bf(x), y)
+    np.testing.assert_allclose(float(loss), float(ref_loss), **tol(jnp.bfloat16))
+    assert jax.tree.leaves(g)[0].dtype == jnp.bfloat16
+    for s, gs in enumerate(unstack_stages(g)):
+        _close(jax.tree.map(lambda v: v.astype(jnp.float32), gs), ref_g[s], rtol=0.1, atol=0.05)
+
+
+def test_masked_loss_matches_sequential():
+    """A padding mask travels with the targets; the masked mean per microbatch matches."""
+    first_fn, stage_fn, _, shared, stages = _model()
+    x, y = _data(16)
+    mask = jnp.asarray(np.random.default_rng(1).random(16) < 0.6, jnp.float32)
+
+    g = bx.Graph("masked")
+    rng = bx.Rng(g / "rng")
+    head = bx.Linear(g / "head", CLASSES, rng)
+
+    def last_fn(params, h, ym):
+        yy, mm = ym
+        logits, params = head(params, h, precision="highest")
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, yy)
+        return jnp.sum(ce * mm) / jnp.maximum(jnp.sum(mm), 1.0), params
+
+    shared = head(rng.seed(shared.unlocked(), seed=3), jnp.zeros((1, WIDTH)))[1].locked()
+    step = jax.jit(
+        pipeline_value_and_grad(
+            stage_fn, last_fn, _mesh(), schedule="gpipe", num_microbatches=4, first_fn=first_fn
+        )
+    )
+    loss, (_, g_sh), _ = step(stack_stages(stages), shared, x, (y, mask))
+
+    def ref(tr_sh):
+        tot = 0.0
+        for i in range(4):
+            sl = slice(4 * i, 4 * i + 4)
+            h, p = first_fn(tr_sh.merge(shared.split()[1]), x[sl])
+            for s in range(P_STAGES):
+                h, _ = stage_fn(stages[s], h)
+            tot = tot + last_fn(p, h, (y[sl], mask[sl]))[0]
+        return tot / 4
+
+    with jax.default_matmul_precision("highest"):
+        rl, rg = jax.jit(jax.value_and_grad(ref))(shared.split()[0])
+    np.testing.assert_allclose(float(loss), float(rl), rtol=1e-5)
+    _close(g_sh, rg, rtol=1e-5, atol=1e-6)
+
+
+# -- 2. schedule tables -----------------------------------------------------------------------
+def _check_table(s):
+    p, m, t = s.num_stages, s.num_microbatches, s.times()
+    for st in range(p):
+        for i in range(m):
+            assert t["F", st, i] < t["B", st, i]
+            if st:
+                assert t["F", st - 1, i] < t["F", st, i]
+            if st < p - 1:
+                assert t["B", st + 1, i] < t["B", st, i]
+
+
+@pytest.mark.parametrize("p,m", [(4, 4), (4, 8), (4, 16), (2, 5), (3, 7)])
+def test_schedule_tables(p, m):
+    for s in (gpipe_schedule(p, m), one_f_one_b_schedule(p, m)):
+        _check_table(s)
+        cells = [c for row in s.table for c in row]
+        idle = sum(c is None for c in cells)  # counted from the table itself
+        assert idle / len(cells) == pytest.approx((p - 1) / (m + p - 1))
+        assert s.idle_fraction() == pytest.approx((p - 1) / (m + p - 1))
+        live = [0] * p
+        peak = [0] * p
+        for row in s.table:
+            for st, c in enumerate(row):
+                if c is not None:
+                    live[st] += 1 if c.kind == "F" else -1
+                    peak[st] = max(peak[st], live[st])
+        if s.name == "1f1b":
+            assert max(peak) <= p and peak == [p - st for st in range(p)]
+        else:
+            assert peak == [m] * p
+        assert s.in_flight() == peak
+        text = str(s)
+        assert text.count("\n") == p + 1 and "F0" in text and f"B{m - 1}" in text
+
+
+def test_schedule_printed_p4_m8():
+    text = str(one_f_one_b_schedule(4, 8)).splitlines()
+    assert text[2].split()[2:10] == ["F0", "F1", "F2", "F3", ".", ".", ".", "B0"]
+    assert text[5].split()[2:7] == [".", ".", ".", "F0", "B0"]
+
+
+@pytest.mark.parametrize(
+    "table,match",
+    [
+        (((("B", 0),), (("F", 0),)), "before or with"),
+        (((("F", 0),), (("F", 0),)), "runs twice"),
+        (((("F", 0),),), "never runs B0"),
+        (((("F", 0), None), (None, None)), "never runs"),
+        (((("F", 0), ("F", 0)), (None, ("B", 0)), (("B", 0), None)), "not after stage 0"),
+        (((("F", 0), None), (("B", 0), ("F", 0)), (None, ("B", 0))), "not after stage 1"),
+        (((("X", 0),),), "is not"),
+        (((("F", 0), None, None),), "has 3 cells"),
+    ],
+)
+def test_invalid_tables_rejected(table, match):
+    p = 2 if len(table[0]) in (2, 3) else 1
+    with pytest.raises(ValueError, match=match):
+        Schedule("mine", p, 1, table)
+
+
+def test_custom_schedule_runs():
+    """A user-written table (GPipe order with reversed backwards) is followed."""
+    p, m = P_STAGES, 4
+    n = m + p - 1
+    table = [[None] * p for _ in range(2 * n)]
+    for s in range(p):
+        for i in range(m):
+            table[s + i][s] = Action("F", i)
+            table[n + (p - 1 - s) + (m - 1 - i)][s] = Action("B", i)
+    sched = Schedule("reversed", p, m, tuple(tuple(r) for r in table))
+    first_fn, stage_fn, last_fn, shared, stages = _model()
+    x, y = _data(8)
+    ref_loss, (_, ref_g), _, _ = _sequential(first_fn, stage_fn, last_fn, shared, stages, x, y, m)
+    step = jax.jit(
+        pipeline_value_and_grad(stage_fn, last_fn, _mesh(), schedule=sched, first_fn=first_fn)
+    )
+    with jax.default_matmul_precision("highest"):
+        loss, (g, _), _ = step(stack_stages(stages), shared, x, y)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(unstack_stages(g)[0], ref_g[0], rtol=1e-5, atol=1e-6)
+
+
+# -- 3. memory ---------------------------------------------------------------------------------
+def _temp_bytes(schedule, m, remat=False, mb_rows=64):
+    g = bx.Graph("mem")
+    rng = bx.Rng(g / "rng")
+    l1, l2 = bx.Linear(g / "fc1", 64, rng), bx.Linear(g / "fc2", 16, rng)
+
+    def stage_fn(params, h):
+        y, params = l1(params, h)
+        y, params = l2(params, jnp.tanh(y))
+        return jnp.tanh(y), params
+
+    def init(seed):
+        return stage_fn(rng.seed(bx.Params(), seed=seed), jnp.zeros((1, 16)))[1].locked()
+
+    stages = jax.eval_shape(lambda: stack_stages([init(s) for s in range(P_STAGES)]))
+    x = jax.ShapeDtypeStruct((m * mb_rows, 16), jnp.float32)
+    step = jax.jit(
+        pipeline_value_and_grad(
+            stage_fn,
+            lambda p, h, y: (jnp.mean((h - y) ** 2), p),
+            _mesh(),
+            schedule=schedule,
+            num_microbatches=m,
+            remat=remat,
+        )
+    )
+    return (
+        step.lower(stages, bx.Params().locked(), x, x)
+        .compile()
+        .memory_analysis()
+        .temp_size_in_bytes
+    )
+
+
+def test_memory_1f1b_bounded_gpipe_grows():
+    t = {
+        (s, m, r): _temp_bytes(s, m, r)
+        for s in ("gpipe", "1f1b")
+        for m in (4, 16)
+        for r in (False, True)
+    }
+    assert t["gpipe", 16, False] / t["gpipe", 4, False] >= 3
+    assert t["1f1b", 16, False] / t["1f1b", 4, False] <= 1.25
+    assert t["1f1b", 16, False] < 0.5 * t["gpipe", 16, False]
+    for s in ("gpipe", "1f1b"):
+        for m in (4, 16):
+            assert t[s, m, True] < t[s, m, False]
+
+
+# -- 5. DP x PP ----------------------------------------------------------------------------------
+def test_data_x_pipeline_2d_mesh():
+    first_fn, stage_fn, last_fn, shared, stages = _model()
+    x, y = _data(16)
+    # reference: mean over the two data shards of each shard's 4-microbatch loss
+    half = [
+        _sequential(
+            first_fn,
+            stage_fn,
+            last_fn,
+            shared,
+            stages,
+            x[k * 8 : (k + 1) * 8],
+            y[k * 8 : (k + 1) * 8],
+            4,
+        )
+        for k in range(2)
+    ]
+    ref_loss = (half[0][0] + half[1][0]) / 2
+    ref_g = jax.tree.map(lambda a, b: (a + b) / 2, half[0][1], half[1][1])
+    mesh = _mesh((2, P_STAGES), ("data", "stage"))
+    step = jax.jit(
+        pipeline_value_and_grad(
+            stage_fn,
+            last_fn,
+            mesh,
+            schedule="1f1b",
+            num_microbatches=4,
+            first_fn=first_fn,
+            data_axis="data",
+        )
+    )
+    with jax.default_matmul_precision("highest"):
+        loss, (g, g_sh), _ = step(stack_stages(stages), shared, x, y)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(g_sh, ref_g[0], rtol=1e-5, atol=1e-6)
+    for s, gs in enumerate(unstack_stages(g)):
+        _close(gs, ref_g[1][s], rtol=1e-5, atol=1e-6)
+
+
+# -- 4. errors -----------------------------------------------------------------------------------
+def _simple():
+    first_fn, stage_fn, last_fn, shared, stages = _model()
+    return first_fn, stage_fn, last_fn, shared, stack_stages(stages)
+
+
+def test_error_fewer_microbatches_than_stages_1f1b():
+    with pytest.raises(ValueError, match=r"num_microbatches=2 < num_stages=4.*gpipe"):
+        one_f_one_b_schedule(4, 2)
+    _, stage_fn, last_fn, _, _ = _simple()
+    with pytest.raises(ValueError, match=r"num_microbatches=3 < num_stages=4"):
+        pipeline_value_and_grad(stage_fn, last_fn, _mesh(), schedule="1f1b", num_microbatches=3)
+
+
+def test_error_stage_count_not_axis_size():
+    _, stage_fn, last_fn, _, _ = _simple()
+    with pytest.raises(ValueError, match=r"num_stages=2 but mesh axis 'stage' has 4"):
+        pipeline_value_and_grad(stage_fn, last_fn, _mesh(), schedule=gpipe_schedule(2, 4))
+    first_fn, stage_fn, last_fn, shared, stages = _model()
+    step = pipeline_value_and_grad(
+        stage_fn, last_fn, _mesh(), schedule="gpipe", num_microbatches=4, first_fn=first_fn
+    )
+    x, y = _data(8)
+    with pytest.raises(
+        ValueError, match=r"stage parameter 'stage/.*' has shape \(3,.*stack_stages"
+    ):
+        step(stack_stages(stages[:3]), shared, x, y)
+
+
+def test_error_batch_not_divisible():
+    first_fn, stage_fn, last_fn, shared, stages = _simple()
+    step = pipeline_value_and_grad(
+        stage_fn, last_fn, _mesh(), schedule="gpipe", num_microbatches=4, first_fn=first_fn
+    )
+    x, y = _data(10)
+    with pytest.raises(ValueError, match=r"inputs has batch size 10.*num_microbatches=4"):
+        step(stages, shared, x, y)
+
+
+def test_error_axis_missing_and_unknown_schedule():
+    _, stage_fn, last_fn, _, _ = _simple()
+    with pytest.raises(ValueError, match=r"stage_axis='pipe' is not an axis"):
+        pipeline_value_and_grad(stage_fn, last_fn, _mesh(), stage_axis="pipe", num_microbatches=4)
+    with pytest.raises(ValueError, match=r"data_axis='data' is not an axis"):
+        pipeline_value_and_grad(stage_fn, last_fn, _mesh(), data_axis="data", num_microbatches=4)
+    with pytest.raises(ValueError, match=r"unknown schedule 'zb'"):
+        pipeline_value_and_grad(stage_fn, last_fn, _mesh(), schedule="zb", num_microbatches=4)
+    with pytest.raises(ValueError, match=r"pass num_microbatches="):
+        pipeline_value_and_grad(stage_fn, last_fn, _mesh())
+
+
+def test_error_stage_changes_shape_and_bad_return():
+    first_fn, stage_fn, last_fn, shared, stages = _simple()
+    x, y = _data(8)
+    grow = pipeline_value_and_grad(
+        lambda p, h: (jnp.concatenate([h, h], -1), p),
+        last_fn,
+        _mesh(),
+        schedule="gpipe",
+        num_microbatches=4,
+        first_fn=first_fn,
+    )
+    with pytest.raises(ValueError, match=r"keep the activation's shape.*first_fn / last_fn"):
+        grow(stages, shared, x, y)
+    bad = pipeline_value_and_grad(
+        lambda p, h: h, last_fn, _mesh(), schedule="gpipe", num_microbatches=4, first_fn=first_fn
+    )
+    with pytest.raises(TypeError, match=r"stage_fn must return \(outputs, params\)"):
+        bad(stages, shared, x, y)
+
+
+def test_error_stack_stages_mismatch():
+    *_, stages = _model()
+    with pytest.raises(ValueError, match="got no stages"):
+        stack_stages([])
+    other = bx.Params().locked()
+    with pytest.raises(ValueError, match="stage 1 has a different structure"):
+        stack_stages([stages[0], other])
