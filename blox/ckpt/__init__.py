@@ -7,7 +7,8 @@ a Grain iterator position, into one step directory, with a description (`describ
 every leaf next to it. `restore` fills the structure you have (concrete or abstract) with
 the shardings of the current mesh and explains any mismatch (`RestoreMismatchError`).
 `export_params` / `import_params` convert to and from nested dicts of NumPy arrays for
-porting weights from PyTorch or Flax.
+porting weights from PyTorch or Flax. `CheckpointCallback` checkpoints a `blox.fit` run
+through a `CheckpointManager` and resumes it when the directory holds a checkpoint.
 """
 
 from blox.ckpt._describe import RestoreMismatchError as RestoreMismatchError
@@ -15,10 +16,12 @@ from blox.ckpt._describe import compare as compare
 from blox.ckpt._describe import describe as describe
 from blox.ckpt._dicts import export_params as export_params
 from blox.ckpt._dicts import import_params as import_params
+from blox.ckpt._fit import CheckpointCallback as CheckpointCallback
 from blox.ckpt._manager import CheckpointManager as CheckpointManager
 from blox.ckpt._targets import abstract_target as abstract_target
 
 __all__ = [
+    "CheckpointCallback",
     "CheckpointManager",
     "RestoreMismatchError",
     "abstract_target",

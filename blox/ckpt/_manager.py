@@ -249,7 +249,7 @@ class CheckpointManager:
             )
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save: step must be an int >= 0, got {step!r}.")
-        if data_iterator is not None:
+        if data_iterator is not None and not isinstance(data_iterator, IteratorSnapshot):
             check_iterator(data_iterator, "CheckpointManager.save")
         if metrics is not None:
             if not isinstance(metrics, Mapping):
@@ -264,7 +264,9 @@ class CheckpointManager:
                     f"metrics={{{self.best_metric!r}: float(eval_loss)}}."
                 )
             metrics = {k: float(v) for k, v in metrics.items()}
-        snapshot = IteratorSnapshot(data_iterator) if data_iterator is not None else None
+        snapshot = data_iterator
+        if data_iterator is not None and not isinstance(data_iterator, IteratorSnapshot):
+            snapshot = IteratorSnapshot(data_iterator)  # the position now, not at write time
         self._pending = (step, state, snapshot)
         if not force and not self._mngr.should_save(step):
             return False

@@ -4,13 +4,19 @@ Epochs are numbered from 1 everywhere: `FitState.epoch`, the ``epoch`` of each `
 row (so the CSV and TensorBoard logs), the progress bar, the stop message,
 `EarlyStopping`'s ``best_epoch`` / ``stopped_epoch``, and the argument of a
 ``train_data(epoch)`` function.
+
+Resuming: a callback may set ``state.step`` (with the params and optimizer state) in
+``on_train_begin`` (``blox.ckpt.CheckpointCallback`` restores a checkpoint there); `fit`
+then continues from that step: it skips the epochs already done and the done part of the
+current one, and brings the data to the same position as an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -28,15 +34,25 @@ class FitState:
 
     Attributes:
       params, opt_state: the latest state (a callback may replace them).
-      step: optimizer steps done so far.
+      step: optimizer steps done so far. A callback that restores a checkpoint in
+        ``on_train_begin`` sets it (with `params` and `opt_state`), and `fit` resumes
+        from there (see `fit`).
       epoch: the current epoch, numbered from 1 like every epoch in `fit` (the history
         rows, the logs, the messages); 0 before the first epoch starts (in
         ``on_train_begin``). In ``on_epoch_end`` it is the number of epochs completed.
-      history: the `History` so far.
+      history: the `History` so far (of this `fit` call).
       metrics: the last step's metrics (device arrays; converting them syncs).
       has_eval: whether `fit` was given an ``eval_fn``.
       stop_training: set it to ``True`` to stop after the current step.
       stop_reason: a short text saved in `FitResult.stopped`.
+      stream: with ``steps_per_epoch``, the one iterator every batch is drawn from
+        (``None`` otherwise); a callback may save and restore its position.
+      stream_restored: set it to ``True`` in ``on_train_begin`` after restoring
+        `stream`'s position along with ``step``; otherwise a resumed `fit` replays the
+        stream, drawing and discarding the batches of the ``step`` steps already done.
+      last_in_epoch: in ``on_step_end``, whether this step is the last of its epoch
+        (known from ``steps_per_epoch`` or the length of the epoch's data; for data
+        without a length, `fit` draws the next batch before the hooks run to find out).
     """
 
     params: Any
@@ -48,6 +64,9 @@ class FitState:
     has_eval: bool = False
     stop_training: bool = False
     stop_reason: str | None = None
+    stream: Iterator[Any] | None = None
+    stream_restored: bool = False
+    last_in_epoch: bool = False
 
 
 class Callback:
@@ -57,7 +76,8 @@ class Callback:
     """
 
     def on_train_begin(self, state: FitState) -> None:
-        """Before the first step."""
+        """Before the first step; may restore a checkpoint (set ``params``,
+        ``opt_state`` and ``step``) for `fit` to resume from."""
 
     def on_step_end(self, state: FitState) -> None:
         """After every step (keep it cheap: no device sync unless needed)."""
@@ -265,6 +285,17 @@ def fit(
     first leaf). ``memory/bytes_in_use`` and ``memory/peak_bytes_in_use`` come from
     ``device.memory_stats()`` where the backend reports them (not on CPU).
 
+    Resuming: if a callback's ``on_train_begin`` sets ``state.step`` to ``s > 0`` (with
+    the params and optimizer state of step ``s``; ``blox.ckpt.CheckpointCallback``
+    restores the latest checkpoint so), `fit` continues at step ``s + 1`` as if it had run
+    the first ``s`` steps: the epochs already done are skipped (``train_data(epoch)`` is
+    still called for each, so a stateful reshuffle stays in step), the epoch of step ``s``
+    restarts after its first batches, which are drawn and discarded, and with
+    `steps_per_epoch` the stream is replayed by drawing ``s`` batches unless the callback
+    restored its position (``state.stream_restored``). `epochs` stays the total number of
+    epochs of the run. The history holds the rows of this call only; the first one is
+    the resumed epoch, with the means of its remaining steps.
+
     Ctrl-C (``KeyboardInterrupt``, also when raised by a callback) stops cleanly: the
     result holds the params of the last completed step, the history so far, and
     ``stopped == 'interrupted'``; callbacks' ``on_train_end`` runs and loggers are
@@ -319,7 +350,9 @@ def fit(
     stream = None
     if steps_per_epoch is not None:
         stream = iter(train_data(1) if callable(train_data) else train_data)
+        state.stream = stream
     compile_s: float | None = None
+    compile_logged = False
 
     def call_step(batch):
         args = batch if isinstance(batch, tuple) else (batch,)
@@ -336,16 +369,39 @@ def fit(
     try:
         for h in hooks:
             h.on_train_begin(state)
+        state.step = skip = _start_step(state.step)
+        first_epoch = 1  # of a stream: epochs before it are done; `skip` steps of it too
+        if stream is not None and skip:
+            first_epoch, skip = skip // steps_per_epoch + 1, skip % steps_per_epoch
+            if not state.stream_restored and first_epoch <= epochs:
+                for _ in _take(stream, state.step):  # replay the stream up to the step
+                    pass
         for epoch in range(1, epochs + 1):  # numbered from 1 everywhere
-            state.epoch = epoch
             if stream is not None:
-                batches: Iterable[Any] = _take(stream, steps_per_epoch)
-                total = steps_per_epoch
+                if epoch < first_epoch:
+                    continue
+                done = skip if epoch == first_epoch else 0
+                batches: Iterable[Any] = _take(stream, steps_per_epoch - done)
+                total: int | None = steps_per_epoch
             else:
                 batches = train_data(epoch) if callable(train_data) else train_data
                 total = len(batches) if hasattr(batches, "__len__") else None
+                done = 0
+                if skip:  # resuming: skip the steps of this epoch already done
+                    rest, drawn = _skip(batches, skip, total)
+                    if rest is None:  # the whole epoch was done
+                        skip -= drawn
+                        continue
+                    batches, done, skip = rest, skip, 0
+            state.epoch = epoch
             bar = (
-                tqdm(total=total, desc=f"epoch {epoch}/{epochs}", leave=False, unit="step")
+                tqdm(
+                    total=total,
+                    initial=done,
+                    desc=f"epoch {epoch}/{epochs}",
+                    leave=False,
+                    unit="step",
+                )
                 if tqdm is not None
                 else None
             )
@@ -353,7 +409,7 @@ def fit(
             n_timed = examples = 0
             t_start = None
             try:
-                for batch in batches:
+                for batch, last_in_epoch in _mark_last(batches, done, total):
                     if compile_s is None:
                         t0 = time.perf_counter()
                         call_step(batch)
@@ -366,6 +422,7 @@ def fit(
                         n_timed += 1
                         examples += examples_per_step or _examples(batch) or 0
                     state.step += 1
+                    state.last_in_epoch = last_in_epoch
                     step_metrics.append(state.metrics)
                     if bar is not None:
                         bar.update(1)
@@ -376,6 +433,7 @@ def fit(
                     if state.stop_training:
                         break
             finally:
+                state.last_in_epoch = False
                 if bar is not None:
                     bar.close()
             jax.block_until_ready(state.params)
@@ -388,8 +446,9 @@ def fit(
             last = epoch == epochs
             if eval_fn is not None and (epoch % eval_every == 0 or last):
                 row.update(_to_row("eval", eval_fn(state.params), "eval_fn"))
-            if epoch == 1 and compile_s is not None:
+            if not compile_logged and compile_s is not None:  # the first row of this call
                 row["time/compile_s"] = compile_s
+                compile_logged = True
             if elapsed is not None and elapsed > 0:
                 row["time/epoch_s"] = elapsed
                 row["time/steps_per_s"] = n_timed / elapsed
@@ -421,6 +480,57 @@ def _take(it, n):
             yield next(it)
         except StopIteration:
             return
+
+
+def _start_step(step: Any) -> int:
+    """The step `fit` starts from, as set by the callbacks' ``on_train_begin``."""
+    if isinstance(step, bool) or not isinstance(step, int | np.integer):
+        raise TypeError(
+            f"fit: state.step must be an int after on_train_begin, got {type(step).__name__} "
+            f"{step!r}. A callback that restores a checkpoint must set a Python int (e.g. "
+            "int(restored['step']))."
+        )
+    if step < 0:
+        raise ValueError(f"fit: state.step must be >= 0 after on_train_begin, got {step}.")
+    return int(step)
+
+
+def _skip(batches: Iterable[Any], n: int, total: int | None) -> tuple[Iterator[Any] | None, int]:
+    """Skips the first `n` batches of an epoch: ``(the rest, n)``, or ``(None, drawn)``
+    when the epoch has at most `n` batches (it was done in full)."""
+    if total is not None and n >= total:
+        return None, total  # known length: the epoch is not even iterated
+    it = iter(batches)
+    for drawn in range(n):
+        try:
+            next(it)
+        except StopIteration:
+            return None, drawn
+    if total is not None:
+        return it, n
+    try:  # unknown length: an epoch of exactly n batches was done in full
+        first = next(it)
+    except StopIteration:
+        return None, n
+    return itertools.chain([first], it), n
+
+
+def _mark_last(batches: Iterable[Any], done: int, total: int | None) -> Iterator[tuple[Any, bool]]:
+    """``(batch, last_in_epoch)``: from the position for a known length (no batch drawn
+    early, so a stream's position matches the steps), else by looking one batch ahead."""
+    if total is not None:
+        for i, batch in enumerate(batches, done):
+            yield batch, i == total - 1
+        return
+    it = iter(batches)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for batch in it:
+        yield prev, False
+        prev = batch
+    yield prev, True
 
 
 class _FunctionCallback(Callback):

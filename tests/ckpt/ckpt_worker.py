@@ -70,5 +70,7 @@ def main(directory: str, total: int) -> None:
 
 
 if __name__ == "__main__":
-    with jax.numpy_dtype_promotion("standard"):
-        main(sys.argv[1], int(sys.argv[2]))
+    # The settings of the test suite (tests/conftest.py): strict dtype promotion.
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    main(sys.argv[1], int(sys.argv[2]))

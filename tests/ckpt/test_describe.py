@@ -16,8 +16,6 @@ import blox as bx
 from blox import ckpt
 from tests.ckpt._common import build, init
 
-pytestmark = pytest.mark.standard_promotion  # optax state creation
-
 
 def _saved(tmp_path, state, step=1):
     with ckpt.CheckpointManager(tmp_path) as mngr:

@@ -17,8 +17,6 @@ import blox as bx
 from blox import ckpt
 from tests.scripts import ROOT
 
-pytestmark = pytest.mark.standard_promotion  # optax updates
-
 TOTAL, K, BATCH, HIDDEN = 8, 3, 16, 16
 
 
@@ -58,8 +56,7 @@ def _fresh(seed: int):
 
 @pytest.fixture(scope="module")
 def reference():
-    with jax.numpy_dtype_promotion("standard"):
-        return _run(*_fresh(seed=0), until=TOTAL)
+    return _run(*_fresh(seed=0), until=TOTAL)
 
 
 def _run(state, step_fn, data, until, mngr=None):

@@ -16,8 +16,6 @@ import blox as bx
 from blox import ckpt
 from tests.ckpt._common import init, tree_equal
 
-pytestmark = pytest.mark.standard_promotion  # optax state creation
-
 
 def _state(step: int = 0, seed: int = 0):
     params, _ = init(seed)

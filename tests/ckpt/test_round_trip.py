@@ -16,8 +16,6 @@ import blox as bx
 from blox import ckpt
 from tests.ckpt._common import batch, init, tree_equal
 
-pytestmark = pytest.mark.standard_promotion  # optax updates
-
 
 def _train_state(seed: int, steps: int):
     """A trained state with every kind of entry a run carries."""
@@ -53,8 +51,7 @@ def _rng_counter(state) -> int:
 
 @pytest.fixture(scope="module")
 def states():
-    with jax.numpy_dtype_promotion("standard"):
-        return _train_state(seed=0, steps=3), _train_state(seed=1, steps=0)
+    return _train_state(seed=0, steps=3), _train_state(seed=1, steps=0)
 
 
 @pytest.mark.parametrize("abstract", [False, True], ids=["concrete", "abstract"])

@@ -356,3 +356,109 @@ def test_fit_runs_a_steps_per_dispatch_step():
     res = bx.fit(multi, params, opt, stacked, examples_per_step=16, progress=False)
     assert res.steps == 2
     np.testing.assert_allclose(res.history["train/loss"], [np.mean(losses)], **tol("float32"))
+
+
+# -- resuming (a callback sets the step in on_train_begin) ---------------------------
+
+
+class Resume(bx.Callback):
+    """Restores the state of step `at` computed by the hand-written loop (no checkpoint
+    library: this is fit's side of resuming)."""
+
+    def __init__(self, params, opt_state, at, restored_stream=False):
+        self.state, self.at, self.restored_stream = (params, opt_state), at, restored_stream
+        self.seen = []
+
+    def on_train_begin(self, state):
+        state.params, state.opt_state = copy(self.state)
+        state.step = self.at
+        state.stream_restored = self.restored_stream
+
+    def on_step_end(self, state):
+        self.seen.append((state.step, state.epoch, state.last_in_epoch))
+
+
+def test_fit_resumes_from_the_step_a_callback_restores():
+    params, opt, batches, step, plain = problem()
+    ref_params, losses = manual(plain, params, opt, batches, 3 * STEPS_PER_EPOCH)
+    p, o = params, opt
+    for i in range(6):
+        p, o, _ = plain(p, o, *batches[i % STEPS_PER_EPOCH])
+    mid_params, mid_opt = p, o
+    resume = Resume(mid_params, mid_opt, 6)
+    res = bx.fit(
+        step, copy(params), copy(opt), batches, epochs=3, callbacks=[resume], progress=False
+    )
+    assert res.steps == 12 and [r["epoch"] for r in res.history.rows] == [2, 3]
+    assert [s for s, _, _ in resume.seen] == list(range(7, 13))
+    assert [e for _, e, _ in resume.seen] == [2, 2, 3, 3, 3, 3]
+    assert [s for s, _, last in resume.seen if last] == [8, 12]
+    np.testing.assert_allclose(
+        res.history["train/loss"], [np.mean(losses[6:8]), np.mean(losses[8:])], **tol("float32")
+    )
+    for k in params.keys():
+        np.testing.assert_allclose(res.params[k].value, ref_params[k].value, **tol("float32"))
+
+
+def test_resume_with_variable_epochs_streams_and_generators():
+    params, opt, batches, step, _ = problem()
+    # Epoch e has e batches (1, 2, 3): step 4 is the first step of epoch 3 (skipped: 1 + 2).
+    calls, resume = [], Resume(params, opt, 4)
+    res = bx.fit(
+        step,
+        copy(params),
+        copy(opt),
+        lambda e: calls.append(e) or (b for b in batches[:e]),  # no len()
+        epochs=3,
+        callbacks=[resume],
+        progress=False,
+    )
+    assert calls == [1, 2, 3] and res.steps == 6
+    assert resume.seen == [(5, 3, False), (6, 3, True)]
+
+    # A stream: replayed (4 batches drawn before step 5) unless its position was restored.
+    for restored, first in ((False, 4), (True, 0)):
+        drawn = []
+        stream = (drawn.append(i) or batches[i % 4] for i in range(100))
+        resume = Resume(params, opt, 4, restored_stream=restored)
+        res = bx.fit(
+            step,
+            copy(params),
+            copy(opt),
+            stream,
+            epochs=3,
+            steps_per_epoch=3,
+            callbacks=[resume],
+            progress=False,
+        )
+        assert res.steps == 9 and [r["epoch"] for r in res.history.rows] == [2, 3]
+        assert drawn[: 5 - first] == list(range(5 - first)) and len(drawn) == first + 5
+        assert [s for s, _, last in resume.seen if last] == [6, 9]
+
+    # Resuming past the end runs nothing.
+    res = bx.fit(
+        step,
+        copy(params),
+        copy(opt),
+        batches,
+        epochs=2,
+        callbacks=[Resume(params, opt, 8)],
+        progress=False,
+    )
+    assert res.steps == 8 and len(res.history) == 0 and res.stopped == "completed"
+
+
+def test_resume_step_errors():
+    params, opt, batches, step, _ = problem()
+
+    class Bad(bx.Callback):
+        def __init__(self, value):
+            self.value = value
+
+        def on_train_begin(self, state):
+            state.step = self.value
+
+    with pytest.raises(TypeError, match="state.step must be an int after on_train_begin"):
+        bx.fit(step, params, opt, batches, callbacks=[Bad(jnp.asarray(3))], progress=False)
+    with pytest.raises(ValueError, match="state.step must be >= 0"):
+        bx.fit(step, params, opt, batches, callbacks=[Bad(-1)], progress=False)
