@@ -122,8 +122,11 @@ class PReLU(Module):
     Args:
       graph: this module's node.
       num_parameters: 1 (a shared slope) or the number of channels.
-      init: the initial slope (PyTorch's default 0.25).
       rng: unused by the default initializer; kept for a uniform layer signature.
+      (``graph, num_parameters, rng`` may be positional; the options below are
+      keyword-only, so PyTorch's positional ``PReLU(3, 0.1)`` must be written
+      ``PReLU(graph, 3, init=0.1)``.)
+      init: the initial slope (PyTorch's default 0.25).
       channels_first: the channel axis is 1 instead of -1.
       dtype: the compute dtype; default: the promotion of input and parameter dtypes.
       param_dtype: the dtype the slope is created in (default float32).
@@ -142,14 +145,21 @@ class PReLU(Module):
         self,
         graph: Graph,
         num_parameters: int = 1,
-        init: float = 0.25,
         rng: Rng | None = None,
         *,
+        init: float = 0.25,
         channels_first: bool = False,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
     ):
         super().__init__(graph)
+        if rng is not None and not isinstance(rng, Rng):
+            raise TypeError(
+                f"PReLU '{self.path_str}': rng must be a blox Rng or None, got "
+                f"{type(rng).__name__} {rng!r}. The signature is PReLU(graph, "
+                "num_parameters=1, rng=None, *, init=0.25, ...): pass the initial slope as "
+                "init=..."
+            )
         if not isinstance(num_parameters, int) or num_parameters < 1:
             raise ValueError(
                 f"PReLU '{self.path_str}': num_parameters must be a positive int (1 or the "

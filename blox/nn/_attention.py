@@ -57,9 +57,11 @@ class MultiHeadAttention(Module):
 
     Args:
       graph: this module's node.
-      num_heads: N.
       model_size: D, the feature size of the queries' input ``x``.
+      num_heads: N.
       rng: the `Rng` for initialization and attention dropout.
+      (The arguments above may be positional, in this order, the order of
+      `TransformerBlock` and `TransformerLM`; the options below are keyword-only.)
       num_kv_heads: K (default N); must divide N. K = 1 is multi-query attention.
       head_dim: H (default D // N; then N must divide D).
       output_size: the output feature size (default D).
@@ -81,18 +83,31 @@ class MultiHeadAttention(Module):
     ``<path>/cache_value`` ``(B, L, K, H)`` and ``<path>/cache_index`` (int32 scalar).
 
     Call: ``attn(params, x, context=None, *, mask=None, key_mask=None,
-    is_causal=False, is_training=True, decode=False)`` -> ``(y, params)``:
+    is_causal=False, positions=None, is_training=True, decode=False)`` ->
+    ``(y, params)``:
 
     - ``x`` ``(B, T, D)``; ``context`` ``(B, S, D_ctx)`` for cross-attention.
-    - ``mask``: boolean, broadcastable to ``(B, N, T, S)``; True = may attend.
+    - ``mask``: boolean, True = may attend. Its rank says what it holds: ``(T, S)``
+      one mask for every sequence and head; ``(B, T, S)`` one per sequence, shared
+      by the heads (Keras' ``attention_mask``); ``(B, N, T, S)`` one per sequence and
+      head (size-1 axes broadcast, e.g. ``(B, 1, T, S)`` as Flax's
+      ``make_attention_mask`` builds, or ``(1, N, T, S)``). A 3-D mask is never read
+      as ``(N, T, S)``, whatever B and N are: give per-head masks as ``mask[None]``.
     - ``key_mask``: boolean ``(B, S)``; False marks padding keys (never attended).
-    - ``is_causal``: query t attends to keys ``s <= t``.
-    - ``decode``: incremental self-attention with the KV cache: the T new tokens are
-      at positions ``cache_index + arange(T)``, their keys and values are written
-      into the cache, they attend causally to everything cached so far, and the index
-      advances by T. The work per call is fixed by L (masking, not slicing), so the
-      per-token cost does not grow as the cache fills. ``key_mask``, if given, is
-      ``(B, L)``.
+    - ``is_causal``: query t attends to keys ``s <= t`` (by index in the sequence,
+      or by cache slot when decoding).
+    - ``positions``: int ``(T,)`` or ``(B, T)``, the RoPE positions of the T tokens
+      of ``x`` (and of the keys, in self-attention); only with ``use_rope=True``.
+      Default ``arange(T)``, or ``cache_index + arange(T)`` when decoding. Per-row
+      positions make a left-padded row equal to its prompt run alone (RoPE depends
+      only on position differences, so a shared offset changes nothing but
+      rounding).
+    - ``decode``: incremental self-attention with the KV cache: the T new tokens go
+      into cache slots ``cache_index + arange(T)``, their keys and values are written
+      there, they attend causally to every slot filled so far, and the index advances
+      by T. The work per call is fixed by L (masking, not slicing), so the per-token
+      cost does not grow as the cache fills. ``key_mask``, if given, is ``(B, L)``
+      over the cache slots, and ``mask``'s S is L.
 
     A query row whose keys are all masked gets a uniform average of the values (the
     behaviour of ``jax.nn.dot_product_attention``), not NaN.
@@ -109,7 +124,7 @@ class MultiHeadAttention(Module):
 
     >>> import blox as bx, jax.numpy as jnp
     >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
-    >>> attn = bx.MultiHeadAttention(g / 'attn', num_heads=2, model_size=8, rng=rng)
+    >>> attn = bx.MultiHeadAttention(g / 'attn', 8, 2, rng)   # model_size 8, 2 heads
     >>> params = rng.seed(bx.Params(), seed=0)
     >>> y, params = attn(params, jnp.ones((1, 5, 8)), is_causal=True)
     >>> y.shape, params[('net', 'attn', 'query', 'kernel')].value.shape
@@ -119,8 +134,8 @@ class MultiHeadAttention(Module):
     def __init__(
         self,
         graph: Graph,
-        num_heads: int,
         model_size: int,
+        num_heads: int,
         rng: Rng | None,
         *,
         num_kv_heads: int | None = None,
@@ -137,7 +152,13 @@ class MultiHeadAttention(Module):
     ):
         super().__init__(graph)
         where = f"MultiHeadAttention '{self.path_str}'"
-        for name, v in (("num_heads", num_heads), ("model_size", model_size)):
+        if rng is not None and not isinstance(rng, Rng):
+            raise TypeError(
+                f"{where}: rng must be a blox Rng or None, got {type(rng).__name__} "
+                f"{rng!r}. The signature is MultiHeadAttention(graph, model_size, num_heads, "
+                "rng, *, options...); pass the options by keyword."
+            )
+        for name, v in (("model_size", model_size), ("num_heads", num_heads)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{where}: {name} must be a positive int, got {v!r}.")
         if head_dim is None:
@@ -246,6 +267,7 @@ class MultiHeadAttention(Module):
         mask: ArrayLike | None = None,
         key_mask: ArrayLike | None = None,
         is_causal: bool = False,
+        positions: ArrayLike | None = None,
         is_training: bool = True,
         decode: bool = False,
     ) -> tuple[jax.Array, Params]:
@@ -272,6 +294,8 @@ class MultiHeadAttention(Module):
                 f"{tuple(x.shape)}), got {tuple(ctx.shape)}."
             )
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+        if positions is not None:
+            positions = self._check_positions(positions, b, t)
 
         q, params = self.query(params, x)
         kk, params = self.key(params, ctx)
@@ -283,10 +307,11 @@ class MultiHeadAttention(Module):
         overflow = None
         if decode:
             index = self._decode_index(params, x)
-            positions = index + jnp.arange(t, dtype=jnp.int32)
+            slots = index + jnp.arange(t, dtype=jnp.int32)
             if self.use_rope:
-                q = apply_rotary(q, positions, base=self.rope_base)
-                kk = apply_rotary(kk, positions, base=self.rope_base)
+                rope = slots if positions is None else positions
+                q = apply_rotary(q, rope, base=self.rope_base)
+                kk = apply_rotary(kk, rope, base=self.rope_base)
             ck = params._get_value(self.param_path("cache_key"))
             cv = params._get_value(self.param_path("cache_value"))
             length = ck.shape[1]
@@ -298,15 +323,15 @@ class MultiHeadAttention(Module):
             params = self.set_param(params, "cache_index", index + jnp.int32(t))
             overflow = index + jnp.int32(t) > length
             kk, vv = ck.astype(q.dtype), cv.astype(q.dtype)
-            visible = jnp.arange(length, dtype=jnp.int32)[None, :] <= positions[:, None]
+            visible = jnp.arange(length, dtype=jnp.int32)[None, :] <= slots[:, None]
             full_mask = visible.reshape(1, 1, t, length)
             causal = False
         else:
             if self.use_rope:
-                q = apply_rotary(q, jnp.arange(t, dtype=jnp.int32), base=self.rope_base)
-                kk = apply_rotary(
-                    kk, jnp.arange(ctx.shape[1], dtype=jnp.int32), base=self.rope_base
-                )
+                q_pos = jnp.arange(t, dtype=jnp.int32) if positions is None else positions
+                k_pos = q_pos if context is None else jnp.arange(ctx.shape[1], dtype=jnp.int32)
+                q = apply_rotary(q, q_pos, base=self.rope_base)
+                kk = apply_rotary(kk, k_pos, base=self.rope_base)
             full_mask = None
             causal = is_causal
         s = kk.shape[1]
@@ -331,6 +356,12 @@ class MultiHeadAttention(Module):
         if overflow is not None:
             y = jnp.where(overflow, jnp.asarray(jnp.nan, y.dtype), y)
         return y, params
+
+    def _cache_length(self, params: Params) -> int:
+        ck = params._get_value(self.param_path("cache_key"))
+        if ck is None:
+            raise KeyError(_NO_CACHE.format(path=self.path_str))
+        return ck.shape[1]
 
     def _decode_index(self, params: Params, x: jax.Array) -> jax.Array:
         index = params._get_value(self.param_path("cache_index"))
@@ -360,6 +391,25 @@ class MultiHeadAttention(Module):
             )
         return index
 
+    def _check_positions(self, positions: ArrayLike, b: int, t: int) -> jax.Array:
+        where = f"MultiHeadAttention '{self.path_str}'"
+        if not self.use_rope:
+            raise ValueError(
+                f"{where}: positions are used only by rotary embeddings, and this layer has "
+                "use_rope=False. Drop positions=..., or construct it with use_rope=True "
+                "(absolute positions are added to the inputs instead, e.g. by "
+                "LearnedPositionalEmbedding)."
+            )
+        positions = jnp.asarray(positions)
+        if positions.shape not in ((t,), (b, t)) or not jnp.issubdtype(
+            positions.dtype, jnp.integer
+        ):
+            raise ValueError(
+                f"{where}: positions must be integers of shape (T,) = ({t},) or (B, T) = "
+                f"{(b, t)}, got {positions.dtype} {tuple(positions.shape)}."
+            )
+        return positions
+
     def _combine_masks(
         self,
         base: jax.Array | None,
@@ -377,17 +427,24 @@ class MultiHeadAttention(Module):
                     f"{where}: mask must be boolean (True = may attend), got dtype "
                     f"{mask.dtype}. Use mask.astype(bool), or mask > 0."
                 )
+            # By rank: (T, S), (B, T, S) shared by the heads (Keras), (B, N, T, S).
+            if mask.ndim == 3:
+                mask4 = mask.reshape(mask.shape[0], 1, *mask.shape[1:])
+            else:
+                mask4 = mask.reshape((1,) * max(4 - mask.ndim, 0) + mask.shape)
             try:
-                ok = mask.ndim <= 4 and np.broadcast_shapes(mask.shape, full) == full
+                ok = 2 <= mask.ndim <= 4 and np.broadcast_shapes(mask4.shape, full) == full
             except ValueError:
                 ok = False
             if not ok:
                 raise ValueError(
-                    f"{where}: mask of shape {tuple(mask.shape)} does not broadcast to "
-                    f"(B, N, T, S) = {full}. Give it shape (T, S), (B, 1, T, S) or (B, N, "
-                    "T, S); for padding use key_mask of shape (B, S)."
+                    f"{where}: mask of shape {tuple(mask.shape)} does not match (T, S) = "
+                    f"{(t, s)}, (B, T, S) = {(b, t, s)} or (B, N, T, S) = {full} (size-1 "
+                    "axes broadcast; a 3-D mask is (B, T, S), shared by the heads: give "
+                    "per-head masks as (B, N, T, S) or mask[None] for (1, N, T, S)). For "
+                    "padding use key_mask of shape (B, S)."
                 )
-            mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+            mask = mask4
             out = mask if out is None else jnp.logical_and(out, mask)
         if key_mask is not None:
             key_mask = jnp.asarray(key_mask)

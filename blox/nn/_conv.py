@@ -29,10 +29,21 @@ both sides of every spatial axis), one int per spatial axis, or one ``(low, high
 pair per spatial axis."""
 
 _default_kernel_init = jax.nn.initializers.lecun_normal()
-# ConvTranspose kernels are (*k, C_out // groups, C_in): fan-in is over the last axis.
+# ConvTranspose kernels are (*k, C_out, C_in // G) (or, with transpose_kernel=True,
+# (*k, C_out // G, C_in)): the input channels, the fan-in, are the last axis.
 _default_transpose_kernel_init = jax.nn.initializers.variance_scaling(
     1.0, "fan_in", "truncated_normal", in_axis=-1, out_axis=-2
 )
+
+
+def _transpose_kernel_init(groups: int) -> Callable:
+    """The default init for ``transpose_kernel=True`` kernels ``(*k, C_out // G, C_in)``:
+    variance ``1 / (prod(k) * C_in / G)``, as for the default layout."""
+    return jax.nn.initializers.variance_scaling(
+        float(groups), "fan_in", "truncated_normal", in_axis=-1, out_axis=-2
+    )
+
+
 _default_bias_init = jax.nn.initializers.zeros
 
 _SPATIAL = "0123456789"  # spatial letters for lax dimension numbers (any unique chars)
@@ -523,16 +534,37 @@ def _transpose_pads(
 
 
 class ConvTranspose(_ConvBase):
-    """An N-D transposed convolution (PyTorch's ``ConvTranspose``, the gradient of `Conv`).
+    """An N-D transposed convolution (fractionally strided convolution), with
+    jax-blox's kernel layout and semantics by default, or PyTorch's with
+    ``transpose_kernel=True``.
 
     Legend as in `Conv`. Shapes: channels-last ``(*B, *spatial, C_in)`` ->
     ``(*B, *spatial', C_out)``; ``channels_first=True``: ``(*B, C_in, *spatial)`` ->
     ``(*B, C_out, *spatial')``.
 
-    It computes a stride-1 convolution of the spatially flipped kernel over the input
-    with ``stride - 1`` zeros inserted between elements, padded by ``(low, high)`` per
-    axis (``lax.conv_transpose(..., transpose_kernel=True)``). With
-    ``K = (k - 1) * kernel_dilation + 1`` the output size is
+    It is a stride-1 convolution over the input with ``stride - 1`` zeros inserted
+    between elements, padded by ``(low, high)`` per axis::
+
+        y = lax.conv_general_dilated(x, kernel, window_strides=1, padding=pads,
+                                     lhs_dilation=strides, rhs_dilation=kernel_dilation,
+                                     feature_group_count=G)   # kernel (*k, C_out, C_in // G)
+
+    For G = 1 this is ``lax.conv_transpose(x, kernel, strides, padding,
+    kernel_dilation, ('NHWC', 'HWOI', 'NHWC'), transpose_kernel=False)`` (2-D), what
+    jax-blox 0.1.6 and Flax's ``ConvTranspose`` compute, so their weights give the same
+    numbers here; unlike jax-blox, grouped kernels (``feature_group_count > 1``) work:
+    group ``g`` maps
+    input channels ``g*C_in/G:(g+1)*C_in/G`` with kernel columns
+    ``kernel[..., g*C_out/G:(g+1)*C_out/G, :]``.
+
+    ``transpose_kernel=True`` gives PyTorch's ``ConvTranspose`` (and
+    ``lax.conv_transpose(..., transpose_kernel=True)``): the kernel is then that of the
+    `Conv` whose gradient this layer is, ``(*k, C_out // G, C_in)``, flipped spatially
+    before use. The two layouts hold the same numbers for G = 1 up to a flip of the
+    spatial axes: ``kernel_default = kernel_transposed[::-1, ::-1]`` (2-D), so a
+    kernel loaded into the wrong mode runs without error and gives wrong outputs.
+
+    With ``K = (k - 1) * kernel_dilation + 1`` the output size is
     ``(n - 1) * stride + 1 + low + high - K + 1``:
 
     * ``'SAME'``: output ``n * stride`` (as ``lax.conv_transpose`` and jax-blox);
@@ -544,11 +576,21 @@ class ConvTranspose(_ConvBase):
     ``output_padding`` adds that many cells on the high side of every (or each) axis; it
     must be smaller than ``max(stride, kernel_dilation)``.
 
-    Porting from PyTorch: ``ConvTranspose2d(C_in, C_out, k, stride=s, padding=p,
-    output_padding=op, dilation=d, groups=G)`` is ``ConvTranspose(graph, (k, k), C_out,
-    rng, strides=s, padding=K - 1 - p, output_padding=op, kernel_dilation=d,
-    feature_group_count=G)`` with ``K = d * (k - 1) + 1``, and ``kernel =
-    weight.permute(2, 3, 1, 0)``.
+    Porting weights (each recipe is checked by a test):
+
+    * jax-blox 0.1.6: the same parameters, paths and arguments; nothing to convert.
+    * Flax ``nn.ConvTranspose(features, k, strides, padding)`` (``transpose_kernel=False``,
+      kernel ``(*k, C_in, C_out)``): ``kernel = flax_kernel.swapaxes(-1, -2)`` (same
+      padding); with Flax's ``transpose_kernel=True`` (kernel ``(*k, C_out, C_in)``) use
+      ``transpose_kernel=True`` and the kernel as it is.
+    * PyTorch ``ConvTranspose2d(C_in, C_out, k, stride=s, padding=p, output_padding=op,
+      dilation=d, groups=G)``, weight ``(C_in, C_out // G, kh, kw)``: ``ConvTranspose(graph,
+      (k, k), C_out, rng, strides=s, padding=K - 1 - p, output_padding=op,
+      kernel_dilation=d, feature_group_count=G, transpose_kernel=True)`` with ``K = d *
+      (k - 1) + 1`` and ``kernel = weight.permute(2, 3, 1, 0)``; or, in the default mode,
+      ``kernel = weight.reshape(G, C_in // G, C_out // G, kh, kw).flip(3, 4).permute(3, 4,
+      0, 2, 1).reshape(kh, kw, C_out, C_in // G)`` (for G = 1:
+      ``weight.flip(2, 3).permute(2, 3, 1, 0)``).
 
     Args:
       graph: this module's node.
@@ -558,27 +600,33 @@ class ConvTranspose(_ConvBase):
       strides: an int or one per spatial axis (the upsampling factor).
       padding: ``'SAME'`` (default), ``'VALID'``, ``'CAUSAL'`` (1-D) or explicit pads.
       kernel_dilation: an int or one per spatial axis.
-      feature_group_count: G; both channel counts must be divisible by it (grouped
-        transposed convolutions work, unlike in jax-blox 0.1.6).
+      feature_group_count: G; both channel counts must be divisible by it.
       use_bias: add a bias per output channel.
-      kernel_init: default: truncated normal with variance ``1 / (prod(k) * C_in)``.
+      kernel_init: default: truncated normal with variance ``1 / (prod(k) * C_in / G)``.
       bias_init: default zeros.
       kernel_metadata, bias_metadata: stored with the parameters.
       output_padding: an int or one per spatial axis (default 0).
+      transpose_kernel: False (default): jax-blox's and Flax's semantics, kernel
+        ``(*k, C_out, C_in // G)`` used as stored. True: PyTorch's, kernel
+        ``(*k, C_out // G, C_in)`` flipped spatially (the gradient of a `Conv` with
+        that kernel).
       channels_first: NCHW-style inputs and outputs (same parameters).
       dtype: the compute dtype (default: promotion of input and param dtypes).
       param_dtype: the dtype parameters are created in (default float32).
 
-    Parameters: ``<path>/kernel`` ``(*kernel_size, C_out // G, C_in)`` (jax-blox's
-    ``(*k, C_out, C_in)`` for G = 1; PyTorch's ``weight (C_in, C_out // G, *k)``
-    permuted) and ``<path>/bias`` ``(C_out,)``.
+    The arguments up to ``bias_metadata`` are jax-blox's, in its order (positional
+    use works); the others are keyword-only.
+
+    Parameters: ``<path>/kernel`` ``(*kernel_size, C_out, C_in // G)`` (jax-blox's
+    layout; ``(*kernel_size, C_out // G, C_in)`` with ``transpose_kernel=True``) and
+    ``<path>/bias`` ``(C_out,)``.
 
     >>> import blox as bx, jax.numpy as jnp
     >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
-    >>> up = bx.ConvTranspose(g / 'up', (4, 4), 3, rng, strides=2)
+    >>> up = bx.ConvTranspose(g / 'up', (4, 4), 6, rng, strides=2, feature_group_count=2)
     >>> y, params = up(rng.seed(bx.Params(), seed=0), jnp.ones((2, 7, 7, 16)))
     >>> y.shape, params[('net', 'up', 'kernel')].value.shape
-    ((2, 14, 14, 3), (4, 4, 3, 16))
+    ((2, 14, 14, 6), (4, 4, 6, 8))
     """
 
     _kind = "ConvTranspose"
@@ -600,11 +648,18 @@ class ConvTranspose(_ConvBase):
         bias_metadata: dict | None = None,
         *,
         output_padding: int | Sequence[int] = 0,
+        transpose_kernel: bool = False,
         channels_first: bool = False,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
     ):
         super().__init__(graph)
+        if not isinstance(transpose_kernel, bool):
+            raise TypeError(
+                f"ConvTranspose '{self.path_str}': transpose_kernel must be a bool, got "
+                f"{transpose_kernel!r}."
+            )
+        self.transpose_kernel = transpose_kernel
         one_d = isinstance(kernel_size, int) or _len(kernel_size) == 1
         allowed = ("SAME", "VALID", "CAUSAL") if one_d else ("SAME", "VALID")
         self._configure(
@@ -643,8 +698,12 @@ class ConvTranspose(_ConvBase):
                     "grow the output further."
                 )
         self.output_padding = op
-        spec = "OI" if self.feature_group_count == 1 else "IO"
-        self._dn = _dimension_numbers(n, self.channels_first, spec)
+        if transpose_kernel and kernel_init is _default_transpose_kernel_init:
+            self.kernel_init = _transpose_kernel_init(self.feature_group_count)
+        # Default: the kernel (*k, C_out, C_in // G) as stored ("OI"). transpose_kernel:
+        # flipped, and for G > 1 regrouped to (*k, C_in // G, C_out) ("IO").
+        grouped_tk = transpose_kernel and self.feature_group_count > 1
+        self._dn = _dimension_numbers(n, self.channels_first, "IO" if grouped_tk else "OI")
 
     def output_pads(self) -> list[tuple[int, int]]:
         """The ``(low, high)`` padding of the stride-dilated input on each spatial axis."""
@@ -672,7 +731,19 @@ class ConvTranspose(_ConvBase):
                     f"padding ({lo}, {hi}) gives an empty output (dilated kernel size "
                     f"{window}). Use larger padding values or a smaller kernel."
                 )
-        kshape = self.kernel_size + (cout // g, cin)
+        tk_shape = self.kernel_size + (cout // g, cin)
+        kshape = tk_shape if self.transpose_kernel else self.kernel_size + (cout, cin // g)
+        other = self.kernel_size + (cout, cin // g) if self.transpose_kernel else tk_shape
+        existing = getattr(params._get_value(self.param_path("kernel")), "shape", None)
+        if existing is not None and tuple(existing) == other != kshape:
+            raise ValueError(
+                f"{self._where}: its kernel has shape {tuple(existing)} in params, the "
+                f"layout of transpose_kernel={not self.transpose_kernel}, but this layer has "
+                f"transpose_kernel={self.transpose_kernel} and needs {kshape} for input "
+                f"shape {tuple(x.shape)}. Construct it with transpose_kernel="
+                f"{not self.transpose_kernel} (PyTorch weights: True), or convert the "
+                "kernel as the ConvTranspose docstring shows."
+            )
         self._check_kernel(params, kshape, x)
         kernel, params = self.get_param(
             params,
@@ -684,8 +755,10 @@ class ConvTranspose(_ConvBase):
             rng=self.rng,
         )
         cd = compute_dtype(x, kernel.dtype, self.dtype)
-        rhs = lax.rev(kernel.astype(cd), tuple(range(n)))
-        if g > 1:
+        rhs = kernel.astype(cd)
+        if self.transpose_kernel:
+            rhs = lax.rev(rhs, tuple(range(n)))
+        if self.transpose_kernel and g > 1:
             # (*k, C_out/G, G, C_in/G) -> (*k, C_in/G, G, C_out/G) -> (*k, C_in/G, C_out).
             rhs = rhs.reshape(self.kernel_size + (cout // g, g, cin // g))
             rhs = jnp.swapaxes(rhs, n, n + 2).reshape(self.kernel_size + (cin // g, cout))

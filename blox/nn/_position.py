@@ -149,10 +149,11 @@ class SinusoidalPositionalEncoding(Module):
 
     Args:
       graph: this module's node.
-      max_timescale: see `sinusoidal_encoding`.
+      max_timescale: see `sinusoidal_encoding` (keyword-only).
 
     Call: ``enc(params, x, positions=None)``; ``positions`` ``(T,)`` or ``(B, T)``
-    defaults to ``arange(T)`` (pass the cache index offset when decoding).
+    defaults to ``arange(T)``; pass ``(B, T)`` positions when rows are offset
+    differently (left-padded prompts, decoding: `TransformerLM` does this).
 
     Creates no parameters.
 
@@ -164,7 +165,7 @@ class SinusoidalPositionalEncoding(Module):
     [0.0, 1.0, 0.0, 1.0]
     """
 
-    def __init__(self, graph: Graph, max_timescale: float = 10000.0):
+    def __init__(self, graph: Graph, *, max_timescale: float = 10000.0):
         super().__init__(graph)
         self.max_timescale = float(max_timescale)
 
@@ -194,13 +195,16 @@ class LearnedPositionalEmbedding(Module):
       graph: this module's node.
       max_length: the number of positions L.
       rng: the `Rng` that provides the initialization key.
+      (``graph, max_length, rng`` may be positional; the options below are
+      keyword-only.)
       embedding_init: default normal with standard deviation 0.02 (GPT-2).
       embedding_metadata: stored with the table.
       param_dtype: the dtype of the table (float32).
 
     Call: ``pos(params, x, positions=None)``; ``positions`` ``(T,)`` or ``(B, T)``
-    defaults to ``arange(T)``. A position outside ``[0, L)`` (not checkable under
-    ``jax.jit``) gives NaN features.
+    defaults to ``arange(T)``; pass ``(B, T)`` positions when rows are offset
+    differently (left-padded prompts, decoding: `TransformerLM` does this). A
+    position outside ``[0, L)`` (not checkable under ``jax.jit``) gives NaN features.
 
     Dtype: the output is the promotion of the input and table dtypes.
 
@@ -219,9 +223,9 @@ class LearnedPositionalEmbedding(Module):
         graph: Graph,
         max_length: int,
         rng: Rng | None,
+        *,
         embedding_init: Callable = _default_position_init,
         embedding_metadata: dict | None = None,
-        *,
         param_dtype: Any = jnp.float32,
     ):
         super().__init__(graph)

@@ -68,12 +68,16 @@ class TransformerBlock(Module):
     ``key``, ``value``, ``out``), ``norm2``, ``mlp/linear_0`` ``(D, F)``,
     ``mlp/linear_1`` ``(F, D)``.
 
+    The constructor takes ``(graph, model_size, num_heads, rng)`` positionally (the
+    order of `MultiHeadAttention` and `TransformerLM`); every option is keyword-only.
+
     Call: ``block(params, x, *, mask=None, key_mask=None, is_causal=False,
-    is_training=True, decode=False)``; the keywords go to the attention.
+    positions=None, is_training=True, decode=False)``; the keywords go to the
+    attention (``positions``, the RoPE positions, only with ``use_rope=True``).
 
     >>> import blox as bx, jax.numpy as jnp
     >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
-    >>> block = bx.TransformerBlock(g / 'block', model_size=8, num_heads=2, rng=rng)
+    >>> block = bx.TransformerBlock(g / 'block', 8, 2, rng)   # model_size 8, 2 heads
     >>> y, params = block(rng.seed(bx.Params(), seed=0), jnp.ones((1, 4, 8)), is_causal=True)
     >>> y.shape
     (1, 4, 8)
@@ -105,8 +109,8 @@ class TransformerBlock(Module):
         self.norm1 = _norm(graph.child("norm1"), norm, epsilon, dtype, param_dtype)
         self.attn = MultiHeadAttention(
             graph.child("attn"),
-            num_heads,
             model_size,
+            num_heads,
             rng,
             num_kv_heads=num_kv_heads,
             dropout_rate=attention_dropout_rate,
@@ -135,6 +139,7 @@ class TransformerBlock(Module):
         mask: ArrayLike | None = None,
         key_mask: ArrayLike | None = None,
         is_causal: bool = False,
+        positions: ArrayLike | None = None,
         is_training: bool = True,
         decode: bool = False,
     ) -> tuple[jax.Array, Params]:
@@ -146,6 +151,7 @@ class TransformerBlock(Module):
             mask=mask,
             key_mask=key_mask,
             is_causal=is_causal,
+            positions=positions,
             is_training=is_training,
             decode=decode,
         )
@@ -188,12 +194,22 @@ class TransformerLM(Module):
     ``head/kernel (D, V)`` + ``head/bias`` if not tied.
 
     Calls:
-      ``lm(params, tokens (B, T) int, *, key_mask=None, is_training=True,
-      decode=False)`` -> ``(logits (B, T, V), params)``. ``key_mask`` ``(B, T)`` marks
-      padding (False) to ignore. With ``decode=True`` after `init_cache`, the tokens are
-      appended to each block's KV cache (``key_mask``, if given, is then ``(B, L)``
-      over the cache positions); generating is ``logits, params = lm(params,
-      token[:, None], decode=True, is_training=False)`` one token at a time.
+      ``lm(params, tokens (B, T) int, *, key_mask=None, positions=None,
+      is_training=True, decode=False)`` -> ``(logits (B, T, V), params)``.
+      ``key_mask`` ``(B, T)`` marks padding (False) to ignore. With ``decode=True``
+      after `init_cache`, the tokens are appended to each block's KV cache
+      (``key_mask``, if given, is then ``(B, L)`` over the cache slots, and marks the
+      tokens still to come True); generating is ``logits, params = lm(params,
+      token[:, None], key_mask=..., decode=True, is_training=False)`` one token at a
+      time.
+
+    Positions are per row, for every ``position`` kind: a token's position is the
+    number of unmasked tokens before it in its row (``cumsum(key_mask) - 1``, 0 on
+    padding; without a ``key_mask``, ``arange(T)``, or ``cache_index + arange(T)``
+    when decoding). So a batch of left-padded prompts, decoded with its
+    ``key_mask``, gives each row the logits of its prompt decoded alone. Pass
+    ``positions`` (int ``(T,)`` or ``(B, T)``) to set them yourself (ignored with
+    ``position='none'``); `row_positions` returns the default ones.
 
     >>> import blox as bx, jax.numpy as jnp
     >>> g = bx.Graph('lm'); rng = bx.Rng(g / 'rng')
@@ -311,35 +327,86 @@ class TransformerLM(Module):
         """The number of tokens in the KV cache (int32 scalar)."""
         return self.blocks[0].attn.cache_index(params)
 
+    def row_positions(
+        self,
+        params: Params,
+        tokens: ArrayLike,
+        key_mask: ArrayLike | None = None,
+        *,
+        decode: bool = False,
+    ) -> jax.Array | None:
+        """The positions `__call__` gives ``tokens`` ``(B, T)`` by default: ``(B, T)``
+        ``cumsum(key_mask) - 1`` (0 on padding) read at the tokens' slots when a
+        ``key_mask`` is given, else ``cache_index + arange(T)`` ``(T,)`` when decoding,
+        else None (``arange(T)``)."""
+        b, t = jnp.shape(tokens)
+        where = f"TransformerLM '{self.path_str}'"
+        if key_mask is None:
+            if decode:
+                return self.cache_index(params) + jnp.arange(t, dtype=jnp.int32)
+            return None
+        key_mask = jnp.asarray(key_mask)
+        width = self.blocks[0].attn._cache_length(params) if decode else t
+        if key_mask.shape != (b, width) or key_mask.dtype != jnp.bool_:
+            over = f"(B, L) = {(b, width)} over the cache slots" if decode else f"(B, T) = {(b, t)}"
+            raise ValueError(
+                f"{where}: key_mask must be a boolean array of shape {over} (False = "
+                f"padding), got {key_mask.dtype} {tuple(key_mask.shape)}."
+            )
+        counts = jnp.cumsum(key_mask.astype(jnp.int32), axis=1) - 1
+        counts = jnp.maximum(counts, 0)
+        if not decode:
+            return counts
+        return jax.lax.dynamic_slice_in_dim(counts, self.cache_index(params), t, axis=1)
+
     def __call__(
         self,
         params: Params,
         tokens: jax.Array,
         *,
         key_mask: ArrayLike | None = None,
+        positions: ArrayLike | None = None,
         is_training: bool = True,
         decode: bool = False,
     ) -> tuple[jax.Array, Params]:
         """Maps ``tokens`` ``(B, T)`` to ``(logits (B, T, V), params)``."""
+        where = f"TransformerLM '{self.path_str}'"
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2:
             raise ValueError(
-                f"TransformerLM '{self.path_str}' expects integer tokens of shape (B, T), got "
+                f"{where} expects integer tokens of shape (B, T), got "
                 f"{tuple(tokens.shape)}. Add a batch axis with tokens[None]."
             )
+        b, t = tokens.shape
+        if self.position == "learned" and not decode and t > self.max_length:
+            raise ValueError(
+                f"{where}: input has T = {t} positions (tokens shape {tuple(tokens.shape)}) "
+                f"but position='learned' holds max_length = {self.max_length}. Use a "
+                "shorter input or a larger max_length."
+            )
+        if positions is None:
+            positions = self.row_positions(params, tokens, key_mask, decode=decode)
+        else:
+            positions = jnp.asarray(positions)
+            if positions.shape not in ((t,), (b, t)) or not jnp.issubdtype(
+                positions.dtype, jnp.integer
+            ):
+                raise ValueError(
+                    f"{where}: positions must be integers of shape (T,) = ({t},) or (B, T) = "
+                    f"{(b, t)}, got {positions.dtype} {tuple(positions.shape)}."
+                )
         h, params = self.embed(params, tokens)
         if self.pos is not None:
-            positions = None
-            if decode:
-                positions = self.cache_index(params) + jnp.arange(tokens.shape[1], dtype=jnp.int32)
             h, params = self.pos(params, h, positions)
         h, params = self.dropout(params, h, is_training=is_training)
+        rope = positions if self.position == "rope" else None
         for block in self.blocks:
             h, params = block(
                 params,
                 h,
                 key_mask=key_mask,
                 is_causal=True,
+                positions=rope,
                 is_training=is_training,
                 decode=decode,
             )

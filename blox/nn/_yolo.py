@@ -7,6 +7,10 @@ a fast spatial pyramid pool) and its parameter layout: a block's children are na
 ``cv1``, ``cv2`` and ``m/<i>`` like the PyTorch attributes, so a PyTorch state-dict key
 ``m.0.cv1.conv.weight`` corresponds to the blox path ``.../m/0/cv1/conv/kernel``
 (weights permuted as in `Conv`; BatchNorm ``weight`` is ``scale``).
+
+Every block takes its defining sizes and ``rng`` positionally (``ConvBNSiLU(graph,
+kernel_size, output_channels, rng)``, ``C2f(graph, output_channels, rng)``,
+``YOLONeck(graph, rng)``, ...) and every option after ``rng`` by keyword only.
 """
 
 from __future__ import annotations
@@ -111,6 +115,7 @@ class ConvBNSiLU(Module):
         kernel_size: int | Sequence[int],
         output_channels: int,
         rng: Rng | None,
+        *,
         strides: int | Sequence[int] = 1,
         padding: PaddingLike | None = None,
         feature_group_count: int = 1,
@@ -118,7 +123,6 @@ class ConvBNSiLU(Module):
         activation: Activation = "silu",
         bn_momentum: float = 0.97,
         bn_epsilon: float = 1e-3,
-        *,
         channels_first: bool = False,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
@@ -207,6 +211,7 @@ class Bottleneck(Module):
         graph: Graph,
         output_channels: int,
         rng: Rng | None,
+        *,
         shortcut: bool = True,
         feature_group_count: int = 1,
         kernel_sizes: tuple[int | Sequence[int], int | Sequence[int]] = (3, 3),
@@ -214,7 +219,6 @@ class Bottleneck(Module):
         activation: Activation = "silu",
         bn_momentum: float = 0.97,
         bn_epsilon: float = 1e-3,
-        *,
         channels_first: bool = False,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
@@ -290,6 +294,7 @@ class C2f(Module):
         graph: Graph,
         output_channels: int,
         rng: Rng | None,
+        *,
         num_blocks: int = 1,
         shortcut: bool = False,
         feature_group_count: int = 1,
@@ -297,7 +302,6 @@ class C2f(Module):
         activation: Activation = "silu",
         bn_momentum: float = 0.97,
         bn_epsilon: float = 1e-3,
-        *,
         channels_first: bool = False,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
@@ -377,12 +381,12 @@ class SPPF(Module):
         graph: Graph,
         output_channels: int,
         rng: Rng | None,
+        *,
         kernel_size: int = 5,
         hidden_channels: int | None = None,
         activation: Activation = "silu",
         bn_momentum: float = 0.97,
         bn_epsilon: float = 1e-3,
-        *,
         channels_first: bool = False,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
@@ -451,12 +455,12 @@ class YOLONeck(Module):
         self,
         graph: Graph,
         rng: Rng | None,
+        *,
         channels: Sequence[int] = (64, 128, 256),
         depth: int = 1,
         activation: Activation = "silu",
         bn_momentum: float = 0.97,
         bn_epsilon: float = 1e-3,
-        *,
         channels_first: bool = False,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
@@ -471,12 +475,12 @@ class YOLONeck(Module):
         kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.channels = channels
         self.channels_first = channels_first
-        self.top_p4 = C2f(graph.child("top_p4"), c4, rng, depth, **kw)
-        self.out_p3 = C2f(graph.child("out_p3"), c3, rng, depth, **kw)
+        self.top_p4 = C2f(graph.child("top_p4"), c4, rng, num_blocks=depth, **kw)
+        self.out_p3 = C2f(graph.child("out_p3"), c3, rng, num_blocks=depth, **kw)
         self.down_p3 = ConvBNSiLU(graph.child("down_p3"), 3, c3, rng, strides=2, **kw)
-        self.out_p4 = C2f(graph.child("out_p4"), c4, rng, depth, **kw)
+        self.out_p4 = C2f(graph.child("out_p4"), c4, rng, num_blocks=depth, **kw)
         self.down_p4 = ConvBNSiLU(graph.child("down_p4"), 3, c4, rng, strides=2, **kw)
-        self.out_p5 = C2f(graph.child("out_p5"), c5, rng, depth, **kw)
+        self.out_p5 = C2f(graph.child("out_p5"), c5, rng, num_blocks=depth, **kw)
 
     def __call__(
         self,
@@ -544,13 +548,13 @@ class YOLOBackbone(Module):
         self,
         graph: Graph,
         rng: Rng | None,
+        *,
         widths: Sequence[int] = (16, 32, 64, 128, 256),
         depths: Sequence[int] = (1, 2, 2, 1),
         sppf_kernel: int = 5,
         activation: Activation = "silu",
         bn_momentum: float = 0.97,
         bn_epsilon: float = 1e-3,
-        *,
         channels_first: bool = False,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
@@ -571,9 +575,11 @@ class YOLOBackbone(Module):
             w = widths[i + 1]
             self.downs.append(ConvBNSiLU(graph.child(f"down_{i + 1}"), 3, w, rng, strides=2, **kw))
             self.stages.append(
-                C2f(graph.child(f"stage_{i + 1}"), w, rng, depths[i], shortcut=True, **kw)
+                C2f(
+                    graph.child(f"stage_{i + 1}"), w, rng, num_blocks=depths[i], shortcut=True, **kw
+                )
             )
-        self.sppf = SPPF(graph.child("sppf"), widths[4], rng, sppf_kernel, **kw)
+        self.sppf = SPPF(graph.child("sppf"), widths[4], rng, kernel_size=sppf_kernel, **kw)
 
     def __call__(
         self, params: Params, x: jax.Array, is_training: bool = True
@@ -628,6 +634,7 @@ class YOLOBackboneNeck(Module):
         self,
         graph: Graph,
         rng: Rng | None,
+        *,
         widths: Sequence[int] = (16, 32, 64, 128, 256),
         depths: Sequence[int] = (1, 2, 2, 1),
         sppf_kernel: int = 5,
@@ -635,7 +642,6 @@ class YOLOBackboneNeck(Module):
         activation: Activation = "silu",
         bn_momentum: float = 0.97,
         bn_epsilon: float = 1e-3,
-        *,
         channels_first: bool = False,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
@@ -643,11 +649,16 @@ class YOLOBackboneNeck(Module):
         super().__init__(graph)
         kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.backbone = YOLOBackbone(
-            graph.child("backbone"), rng, widths, depths, sppf_kernel, **kw
+            graph.child("backbone"),
+            rng,
+            widths=widths,
+            depths=depths,
+            sppf_kernel=sppf_kernel,
+            **kw,
         )
         widths, depths = self.backbone.widths, self.backbone.depths
         depth = max(1, depths[-1]) if neck_depth is None else neck_depth
-        self.neck = YOLONeck(graph.child("neck"), rng, widths[2:], depth, **kw)
+        self.neck = YOLONeck(graph.child("neck"), rng, channels=widths[2:], depth=depth, **kw)
 
     def __call__(
         self, params: Params, x: jax.Array, is_training: bool = True

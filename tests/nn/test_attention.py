@@ -4,8 +4,10 @@ References: ``torch.nn.MultiheadAttention`` (self and cross attention, causal an
 padding masks) and ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)``
 with rotary embeddings written in torch with complex numbers (grouped-query heads, a
 broadcast mask), weights copied across, forward and gradients; NumPy complex rotation for
-`apply_rotary`; a hand-written ``jax.lax`` version for attention dropout. The KV-cache
-decode is compared with the full causal forward pass (itself checked against torch).
+`apply_rotary`; a hand-written ``jax.lax`` version for attention dropout; a naive float64
+NumPy attention for the masks by rank (``(T, S)``, ``(B, T, S)`` shared by the heads, also
+when B == N, ``(B, N, T, S)``). The KV-cache decode is compared with the full causal
+forward pass (itself checked against torch).
 
 Tolerances: ``tol(dtype)`` (f32 rtol 1e-5 / atol 1e-6; f64 rtol 1e-10 / atol 1e-12).
 """
@@ -93,7 +95,7 @@ def test_attention_matches_torch_multihead_attention(dtype, mode):
 
     with _precision(dtype):
         g, rng, params = _seeded()
-        attn = bx.MultiHeadAttention(g / "attn", n, d, rng, param_dtype=dtype)
+        attn = bx.MultiHeadAttention(g / "attn", d, n, rng, param_dtype=dtype)
         _, params = attn(params, jnp.zeros((1, 2, d), dtype), jnp.zeros((1, 3, dc), dtype))
         weights = {
             (*P, "query", "kernel"): _np(wq).T.copy(),
@@ -200,8 +202,8 @@ def test_grouped_query_rope_attention_matches_torch_sdpa(dtype):
         g, rng, params = _seeded()
         attn = bx.MultiHeadAttention(
             g / "attn",
-            n,
             d,
+            n,
             rng,
             num_kv_heads=k,
             head_dim=h,
@@ -249,6 +251,58 @@ def test_apply_rotary_matches_complex_rotation_and_keeps_dot_products_relative()
 
 
 # ---------------------------------------------------------------------------
+# Masks by rank vs a NumPy reference
+# ---------------------------------------------------------------------------
+
+
+_PROJ = ("query", "key", "value", "out")
+
+
+def _numpy_attention(x, w, b, n, mask4):
+    """Naive float64 multi-head attention; ``mask4`` (B, N, T, S), True = may attend."""
+    bsz, t, d = x.shape
+    h = d // n
+    q, k, v = ((x @ w[m] + b[m]).reshape(bsz, t, n, h) for m in ("query", "key", "value"))
+    logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(h)
+    logits = np.where(mask4, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    a = np.einsum("bnts,bsnh->btnh", p, v).reshape(bsz, t, d)
+    return a @ w["out"] + b["out"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [2, 3], ids=["B==N", "B!=N"])
+def test_mask_rank_says_what_it_holds_vs_numpy(batch, dtype):
+    """(B, T, S) is one mask per sequence shared by the heads (Keras' convention), also
+    when B == N, never (N, T, S); (B, N, T, S) is per sequence and head, (1, N, T, S) per
+    head, (T, S) shared by all. Reference: naive NumPy attention in float64."""
+    n, t, d = 2, 4, 8
+    rs = np.random.default_rng(5)
+    x = rs.standard_normal((batch, t, d))
+    per_seq = rs.random((batch, t, t)) > 0.5
+    per_head = rs.random((batch, n, t, t)) > 0.5
+    per_seq[..., 0] = per_head[..., 0] = True  # every query sees at least one key
+    with _precision(dtype):
+        g, rng, params = _seeded()
+        attn = bx.MultiHeadAttention(g / "attn", d, n, rng, param_dtype=dtype)
+        _, params = attn(params, jnp.asarray(x, dtype), is_training=False)
+        w = {m: np.asarray(params[(*P, m, "kernel")].value, np.float64) for m in _PROJ}
+        bias = {m: np.asarray(params[(*P, m, "bias")].value, np.float64) for m in _PROJ}
+        cases = {
+            "(B, T, S)": (per_seq, per_seq[:, None]),
+            "(B, N, T, S)": (per_head, per_head),
+            "(1, N, T, S)": (per_head[:1], per_head[:1]),
+            "(T, S)": (per_seq[0], per_seq[0][None, None]),
+        }
+        run = jax.jit(lambda p, x, m: attn(p, x, mask=m, is_training=False)[0])
+        for name, (mask, mask4) in cases.items():
+            y = run(params, jnp.asarray(x, dtype), jnp.asarray(mask))
+            want = _numpy_attention(x, w, bias, n, np.broadcast_to(mask4, (batch, n, t, t)))
+            _assert_close(y, want.astype(dtype), dtype, f"mask {name}")
+
+
+# ---------------------------------------------------------------------------
 # Dropout on the attention weights
 # ---------------------------------------------------------------------------
 
@@ -256,7 +310,7 @@ def test_apply_rotary_matches_complex_rotation_and_keeps_dot_products_relative()
 def test_attention_dropout_matches_hand_written_lax_and_only_in_training():
     b, t, d, n, k, rate = 2, 4, 8, 4, 2, 0.25
     g, rng, params = _seeded()
-    attn = bx.MultiHeadAttention(g / "attn", n, d, rng, num_kv_heads=k, dropout_rate=rate)
+    attn = bx.MultiHeadAttention(g / "attn", d, n, rng, num_kv_heads=k, dropout_rate=rate)
     x = jax.random.normal(jax.random.key(1), (b, t, d))
     _, params = attn(params, x, is_training=False)
     params = params.locked()
@@ -303,7 +357,7 @@ def test_kv_cache_decoding_equals_full_causal_pass():
     the cache is non-trainable state in Params."""
     b, t, d, length = 2, 7, 8, 10
     g, rng, params = _seeded()
-    attn = bx.MultiHeadAttention(g / "attn", 4, d, rng, num_kv_heads=2, use_rope=True)
+    attn = bx.MultiHeadAttention(g / "attn", d, 4, rng, num_kv_heads=2, use_rope=True)
     x = jax.random.normal(jax.random.key(3), (b, t, d))
     key_mask = jnp.ones((b, t), bool)
     full, params = attn(params, x, is_causal=True, is_training=False)
@@ -338,7 +392,7 @@ def test_kv_cache_decoding_equals_full_causal_pass():
 
 def test_kv_cache_errors_and_overflow():
     g, rng, params = _seeded()
-    attn = bx.MultiHeadAttention(g / "attn", 2, 4, rng)
+    attn = bx.MultiHeadAttention(g / "attn", 4, 2, rng)
     x = jnp.ones((1, 3, 4))
     _, params = attn(params, x)
     with pytest.raises(KeyError, match=r"'net/attn': decode=True needs a KV cache"):
@@ -377,14 +431,14 @@ def test_attention_errors_name_path_shapes_and_fix():
         match=r"MultiHeadAttention 'net/a': num_heads = 3 does not divide model_size = 8.*"
         r"pass head_dim",
     ):
-        bx.MultiHeadAttention(g / "a", 3, 8, rng)
+        bx.MultiHeadAttention(g / "a", 8, 3, rng)
     with pytest.raises(
         ValueError,
         match=r"'net/b': num_kv_heads = 3 must be a positive int dividing num_heads = 4.*"
         r"\[1, 2, 4\]",
     ):
-        bx.MultiHeadAttention(g / "b", 4, 8, rng, num_kv_heads=3)
-    attn = bx.MultiHeadAttention(g / "attn", 2, 8, rng)
+        bx.MultiHeadAttention(g / "b", 8, 4, rng, num_kv_heads=3)
+    attn = bx.MultiHeadAttention(g / "attn", 8, 2, rng)
     x = jnp.ones((2, 3, 8))
     _, params = attn(params, x)
     with pytest.raises(
@@ -395,10 +449,26 @@ def test_attention_errors_name_path_shapes_and_fix():
         attn(params, jnp.ones((2, 3, 6)))
     with pytest.raises(
         ValueError,
-        match=r"'net/attn': mask of shape \(3, 4\) does not broadcast to \(B, N, T, S\) = "
-        r"\(2, 2, 3, 3\)",
+        match=r"'net/attn': mask of shape \(3, 4\) does not match \(T, S\) = \(3, 3\), "
+        r"\(B, T, S\) = \(2, 3, 3\) or \(B, N, T, S\) = \(2, 2, 3, 3\)",
     ):
         attn(params, x, mask=jnp.ones((3, 4), bool))
+    with pytest.raises(ValueError, match=r"mask of shape \(3,\) does not match"):
+        attn(params, x, mask=jnp.ones((3,), bool))
+    with pytest.raises(
+        ValueError, match=r"mask of shape \(4, 3, 3\) does not match .*a 3-D mask is \(B, T, S\)"
+    ):
+        attn(params, x, mask=jnp.ones((4, 3, 3), bool))
+    with pytest.raises(ValueError, match=r"positions are used only by rotary embeddings"):
+        attn(params, x, positions=jnp.arange(3))
+    rope = bx.MultiHeadAttention(g / "rope", 8, 2, rng, use_rope=True)
+    _, params = rope(params, x)
+    with pytest.raises(
+        ValueError, match=r"'net/rope': positions must be integers of shape \(T,\) = \(3,\)"
+    ):
+        rope(params, x, positions=jnp.arange(4))
+    with pytest.raises(TypeError, match=r"'net/c': rng must be a blox Rng or None, got float"):
+        bx.MultiHeadAttention(g / "c", 8, 2, 0.5)
     with pytest.raises(TypeError, match=r"'net/attn': mask must be boolean"):
         attn(params, x, mask=jnp.ones((3, 3)))
     with pytest.raises(ValueError, match=r"key_mask must be a boolean array of shape \(B, S\)"):

@@ -1,5 +1,8 @@
 """`Conv` / `ConvTranspose` contract: parameters, layouts, batch axes, padding rules against
 hand-written ``jax.lax`` calls, causality, transformations, dtypes and errors.
+`ConvTranspose` kernels: jax-blox 0.1.6's semantics (its ``lax.conv_transpose`` call with
+its dimension numbers written out, grouped as per-group calls) and Flax's (its
+``lax.conv_transpose`` defaults), and the flip relating the two kernel modes.
 
 Numerics against PyTorch (forward and gradients over a stride/padding/dilation/groups grid,
 both layouts) live in ``test_conv_torch.py``.
@@ -79,9 +82,14 @@ def test_conv_parameter_paths_and_shapes(kernel, groups, x_shape, kernel_shape):
 
 
 def test_conv_transpose_parameter_shapes_and_no_bias():
+    """jax-blox's layout (*k, C_out, C_in // G) by default; (*k, C_out // G, C_in) with
+    transpose_kernel=True."""
+    x = _normal((2, 4, 4, 9))
+    _, params = _init(lambda g, r: ConvT(g / "conv", (2, 3), 6, r, feature_group_count=3), x)
+    assert _kernel(params).shape == (2, 3, 6, 3)
     _, params = _init(
-        lambda g, r: ConvT(g / "conv", (2, 3), 6, r, feature_group_count=3),
-        _normal((2, 4, 4, 9)),
+        lambda g, r: ConvT(g / "conv", (2, 3), 6, r, feature_group_count=3, transpose_kernel=True),
+        x,
     )
     assert _kernel(params).shape == (2, 3, 2, 9)
     _, params = _init(lambda g, r: ConvT(g / "conv", 4, 5, r, use_bias=False), _normal((2, 4, 3)))
@@ -108,15 +116,23 @@ def test_jax_blox_positional_arguments_and_metadata():
     np.testing.assert_allclose(np.asarray(y), np.full((1, 3, 3, 4), 9 * 2 + 1.0))
 
 
-@pytest.mark.parametrize("transpose", [False, True], ids=["Conv", "ConvTranspose"])
-def test_default_kernel_init_is_lecun_normal_over_the_fan_in(transpose):
-    cls = bx.ConvTranspose if transpose else bx.Conv
+@pytest.mark.parametrize(
+    "cls, kw",
+    [
+        (bx.Conv, {}),
+        (bx.ConvTranspose, {}),
+        (bx.ConvTranspose, {"transpose_kernel": True}),
+    ],
+    ids=["Conv", "ConvTranspose", "ConvTranspose-transpose_kernel"],
+)
+def test_default_kernel_init_is_lecun_normal_over_the_fan_in(cls, kw):
     _, params = _init(
-        lambda g, r: cls(g / "conv", (3, 3), 96, r, feature_group_count=2), jnp.ones((1, 4, 4, 64))
+        lambda g, r: cls(g / "conv", (3, 3), 96, r, feature_group_count=2, **kw),
+        jnp.ones((1, 4, 4, 64)),
     )
     np.testing.assert_array_equal(np.asarray(_bias(params)), np.zeros(96))  # bias: zeros
     kernel = np.asarray(_kernel(params))
-    fan_in = 9 * (64 if transpose else 32)  # Conv: prod(k) * C_in / G; transpose: prod(k) * C_in
+    fan_in = 9 * 64 // 2  # prod(k) * C_in / G in every case
     assert abs(kernel.std() - fan_in**-0.5) < 0.03 * fan_in**-0.5
     assert abs(kernel.mean()) < 0.03 * fan_in**-0.5
 
@@ -144,23 +160,158 @@ def test_conv_padding_matches_lax(padding, strides):
 
 
 @pytest.mark.parametrize("padding", ["SAME", "VALID"])
-@pytest.mark.parametrize("kernel, strides, dilation", [(3, 2, 1), (4, 2, 1), (2, 3, 2), (5, 1, 1)])
-def test_conv_transpose_padding_matches_lax_conv_transpose(padding, kernel, strides, dilation):
-    """'SAME' / 'VALID' are lax.conv_transpose(..., transpose_kernel=True)'s (jax-blox's)."""
+@pytest.mark.parametrize(
+    "kernel, strides, dilation, tk",
+    [(3, 2, 1, False), (4, 2, 1, False), (2, 3, 2, False), (5, 1, 1, False)]
+    + [(4, 2, 1, True), (2, 3, 2, True)],
+)
+def test_conv_transpose_padding_matches_lax_conv_transpose(padding, kernel, strides, dilation, tk):
+    """'SAME' / 'VALID' are lax.conv_transpose's; the default kernel (*k, C_out, C_in) is
+    used as stored ('HWOI', transpose_kernel=False, as jax-blox), transpose_kernel=True is
+    lax's transpose_kernel=True over the (*k, C_out, C_in) kernel read as 'HWIO'."""
     x = _normal((2, 5, 4, 3))
     layer, params = _init(
         lambda g, r: ConvT(
-            g / "conv", (kernel, kernel), 2, r, strides, padding, dilation, use_bias=False
+            g / "conv", (kernel, kernel), 2, r, strides, padding, dilation, use_bias=False,
+            transpose_kernel=tk,
         ),
         x,
-    )
+    )  # fmt: skip
     y, _ = jax.jit(layer)(params, x)
     ref = lax.conv_transpose(
         x, _kernel(params), (strides, strides), padding, (dilation, dilation),
-        ("NHWC", "HWIO", "NHWC"), transpose_kernel=True,
+        ("NHWC", "HWIO" if tk else "HWOI", "NHWC"), transpose_kernel=tk,
     )  # fmt: skip
     assert y.shape == ref.shape
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("float32"))
+
+
+def _jax_blox_conv_transpose(x, kernel, bias, strides, padding, dilation, groups):
+    """jax-blox 0.1.6's ConvTranspose written out: ``lax.conv_transpose`` over the kernel
+    ``(*k, C_out, C_in // G)`` with its dimension numbers (lhs (0, n+1, 1..n), rhs
+    (n, n+1, 0..n-1): kernel axis n is the output features, n+1 the input features),
+    ``transpose_kernel=False``. jax-blox cannot run G > 1 (it does not pass the groups
+    on); the grouped reference is G such calls over channel slices, concatenated: group
+    g maps inputs g*C_in/G:(g+1)*C_in/G with kernel[..., g*C_out/G:(g+1)*C_out/G, :]."""
+    n = kernel.ndim - 2
+    spatial = tuple(range(1, n + 1))
+    dn = lax.ConvDimensionNumbers(
+        lhs_spec=(0, n + 1) + spatial,
+        rhs_spec=(n, n + 1) + tuple(range(n)),
+        out_spec=(0, n + 1) + spatial,
+    )
+    cin, cout = x.shape[-1] // groups, kernel.shape[-2] // groups
+    outs = [
+        lax.conv_transpose(
+            x[..., g * cin : (g + 1) * cin],
+            kernel[..., g * cout : (g + 1) * cout, :],
+            strides,
+            padding,
+            rhs_dilation=dilation,
+            dimension_numbers=dn,
+        )
+        for g in range(groups)
+    ]
+    y = jnp.concatenate(outs, axis=-1)
+    return y + jnp.broadcast_to(bias, y.shape)
+
+
+@pytest.mark.parametrize(
+    "kernel, strides, padding, dilation, groups, x_shape",
+    [
+        ((3,), (2,), "SAME", (1,), 1, (2, 6, 3)),
+        ((4, 4), (2, 2), "SAME", (1, 1), 1, (2, 5, 4, 3)),
+        ((3, 2), (2, 3), "VALID", (2, 1), 1, (2, 4, 3, 2)),
+        ((3, 3), (2, 2), ((2, 1), (0, 3)), (1, 1), 1, (1, 4, 5, 2)),
+        ((2, 3, 2), (1, 2, 2), "SAME", (1, 1, 1), 1, (1, 3, 2, 3, 2)),
+        ((3, 3), (2, 2), "SAME", (1, 1), 2, (2, 4, 5, 4)),
+        ((4,), (3,), "VALID", (2,), 3, (2, 5, 6)),
+    ],
+    ids=["1d", "2d-k4", "2d-valid-dil", "2d-explicit", "3d", "2d-g2", "1d-g3-valid-dil"],
+)
+def test_conv_transpose_gives_jax_blox_numbers_with_jax_blox_weights(
+    kernel, strides, padding, dilation, groups, x_shape
+):
+    """A jax-blox ConvTranspose checkpoint (same paths, shapes and arguments) gives the
+    numbers jax-blox computes, grouped kernels included (which jax-blox cannot run)."""
+    x = _normal(x_shape)
+    cout = 6
+    layer, params = _init(
+        lambda g, r: ConvT(
+            g / "conv", kernel, cout, r, strides, padding, dilation, groups
+        ),  # jax-blox's positional order
+        x,
+    )
+    k = _kernel(params)
+    assert k.shape == kernel + (cout, x_shape[-1] // groups)
+    y, _ = jax.jit(layer)(params, x)
+    ref = _jax_blox_conv_transpose(x, k, _bias(params), strides, padding, dilation, groups)
+    assert y.shape == ref.shape
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("float32"))
+    # The flipped-kernel (PyTorch) semantics give other numbers from the same weights.
+    tk = ConvT(
+        bx.Graph("net") / "conv", kernel, cout, None, strides, padding, dilation, groups,
+        transpose_kernel=True,
+    )  # fmt: skip
+    if groups == 1:
+        y_tk, _ = tk(params, x)
+        assert np.abs(np.asarray(y_tk) - np.asarray(ref)).max() > 0.1
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID", ((1, 2), (2, 0))])
+@pytest.mark.parametrize("tk", [False, True], ids=["flax-default", "flax-transpose_kernel"])
+def test_conv_transpose_loads_flax_kernels(padding, tk):
+    """Flax's ConvTranspose is lax.conv_transpose with its default dimension numbers
+    (NHWC, HWIO, NHWC). Flax kernel (*k, C_in, C_out) -> blox kernel.swapaxes(-1, -2);
+    Flax transpose_kernel=True kernel (*k, C_out, C_in) -> blox transpose_kernel=True,
+    unchanged."""
+    x = _normal((2, 4, 5, 3))
+    flax_shape = (3, 2) + ((4, 3) if tk else (3, 4))
+    flax_kernel = _np_init(None, flax_shape, jnp.float32)
+    ref = lax.conv_transpose(
+        x, flax_kernel, (2, 2), padding, (1, 1), ("NHWC", "HWIO", "NHWC"), transpose_kernel=tk
+    )
+    layer = bx.ConvTranspose(
+        bx.Graph("net") / "conv", (3, 2), 4, None, 2, padding, use_bias=False,
+        transpose_kernel=tk,
+    )  # fmt: skip
+    params = bx.Params()
+    params[("net", "conv", "kernel")] = bx.Param(
+        flax_kernel if tk else flax_kernel.swapaxes(-1, -2)
+    )
+    y, _ = jax.jit(layer)(params, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("float32"))
+
+
+def test_transpose_kernel_mode_is_the_default_mode_with_the_kernel_flipped():
+    """For G = 1: ConvTranspose(transpose_kernel=True) with kernel K equals the default
+    mode with K[::-1, ::-1] (the docs' conversion between the two modes)."""
+    x = _normal((2, 4, 3, 3))
+    tk, params = _init(lambda g, r: ConvT(g / "conv", (3, 2), 5, r, 2, transpose_kernel=True), x)
+    default = bx.ConvTranspose(bx.Graph("net") / "conv", (3, 2), 5, None, 2)
+    flipped = params.unlocked()
+    flipped[("net", "conv", "kernel")] = bx.Param(_kernel(params)[::-1, ::-1])
+    np.testing.assert_allclose(
+        np.asarray(default(flipped, x)[0]), np.asarray(tk(params, x)[0]), **tol("float32")
+    )
+
+
+def test_conv_transpose_kernel_in_the_other_mode_layout_is_an_error():
+    x = _normal((1, 4, 4, 6))
+    _, params = _init(lambda g, r: ConvT(g / "conv", (3, 3), 4, r, feature_group_count=2), x)
+    assert _kernel(params).shape == (3, 3, 4, 3)
+    torch_mode = bx.ConvTranspose(
+        bx.Graph("net") / "conv", (3, 3), 4, None, feature_group_count=2, transpose_kernel=True
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"ConvTranspose 'net/conv': its kernel has shape \(3, 3, 4, 3\) in params, the "
+        r"layout of transpose_kernel=False, but this layer has transpose_kernel=True and "
+        r"needs \(3, 3, 2, 6\)",
+    ):
+        torch_mode(params, x)
+    with pytest.raises(TypeError, match=r"'net/c': transpose_kernel must be a bool"):
+        bx.ConvTranspose(bx.Graph("net") / "c", 3, 4, None, transpose_kernel="yes")
 
 
 @pytest.mark.parametrize("strides, dilation", [(1, 1), (2, 1), (1, 3), (3, 2)])
@@ -185,9 +336,12 @@ def test_causal_conv_sees_only_the_past(strides, dilation):
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_valid), **tol("float32"))
 
 
-def test_causal_conv_transpose_sees_only_the_past():
+@pytest.mark.parametrize("tk", [False, True], ids=["default", "transpose_kernel"])
+def test_causal_conv_transpose_sees_only_the_past(tk):
     x = _normal((2, 5, 3))
-    layer, params = _init(lambda g, r: ConvT(g / "conv", 3, 2, r, 2, "CAUSAL"), x)
+    layer, params = _init(
+        lambda g, r: ConvT(g / "conv", 3, 2, r, 2, "CAUSAL", transpose_kernel=tk), x
+    )
     f = jax.jit(layer)
     y, _ = f(params, x)
     assert y.shape == (2, 10, 2)

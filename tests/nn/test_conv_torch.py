@@ -2,10 +2,14 @@
 
 Each case builds the blox layer, initializes it with a forward pass (so the parameter
 layout is the layer's own), overwrites its parameters with PyTorch-layout weights
-(``Conv``: ``kernel = weight.permute(2, ..., 1, 0)``; ``ConvTranspose``: the same
-permutation of PyTorch's ``(C_in, C_out // G, *k)`` weight) and compares the output *and*
-the gradients of ``sum(y * cotangent)`` with respect to the input, the kernel and the bias,
-in both layouts (channels-last input ``x.moveaxis(1, -1)``, and ``channels_first=True``).
+converted by the documented recipes (``Conv``: ``kernel = weight.permute(2, ..., 1, 0)``;
+``ConvTranspose(transpose_kernel=True)``: the same permutation of PyTorch's
+``(C_in, C_out // G, *k)`` weight; ``ConvTranspose`` in its default (jax-blox) mode:
+``weight.reshape(G, C_in // G, C_out // G, *k).flip(spatial).permute(*spatial, 0, 2,
+1).reshape(*k, C_out, C_in // G)``) and compares the output *and* the gradients of
+``sum(y * cotangent)`` with respect to the input, the kernel (converted by the same
+recipe, a permutation of the entries) and the bias, in both layouts (channels-last input
+``x.moveaxis(1, -1)``, and ``channels_first=True``).
 
 The reference pads explicitly with ``F.pad`` using the documented padding rules, written
 out here independently of the library: ``'SAME'`` gives ``ceil(n / s)`` outputs with the odd
@@ -213,7 +217,21 @@ def torch_conv_transpose(case: Case, x, w, b):
     return y
 
 
-def _check(case: Case, transpose: bool, channels_first: bool, dtype: str) -> None:
+def torch_weight_to_kernel(w: torch.Tensor, transpose: bool, groups: int, tk: bool):
+    """The docs' conversion of a PyTorch weight to the blox kernel, as a NumPy array."""
+    n = w.ndim - 2
+    spatial = tuple(range(2, 2 + n))
+    if not transpose or tk:
+        out = w.permute(*spatial, 1, 0)  # Conv; ConvTranspose(transpose_kernel=True)
+    else:  # ConvTranspose, default (jax-blox) layout (*k, C_out, C_in // G), unflipped
+        cin, cout_g, k = w.shape[0], w.shape[1], tuple(w.shape[2:])
+        grouped = w.reshape(groups, cin // groups, cout_g, *k)
+        s3 = tuple(range(3, 3 + n))
+        out = grouped.flip(s3).permute(*s3, 0, 2, 1).reshape(*k, groups * cout_g, cin // groups)
+    return out.detach().numpy()
+
+
+def _check(case: Case, transpose: bool, channels_first: bool, dtype: str, tk: bool = True) -> None:
     tdt = TORCH_DTYPES[dtype]
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     x = torch.randn((2, case.cin) + case.spatial, generator=gen, dtype=tdt)
@@ -230,9 +248,8 @@ def _check(case: Case, transpose: bool, channels_first: bool, dtype: str) -> Non
     ct = torch.randn(ref.shape, generator=gen, dtype=tdt)
     (ref * ct).sum().backward()
 
-    n = case.n
-    perm = tuple(range(2, 2 + n)) + (1, 0)
     to_np = lambda t: t.detach().numpy()  # noqa: E731
+    to_kernel = lambda t: torch_weight_to_kernel(t, transpose, case.groups, tk)  # noqa: E731
     move = (lambda a: a) if channels_first else (lambda a: np.moveaxis(a, 1, -1))
     with _precision(dtype):
         g = bx.Graph("net")
@@ -253,7 +270,7 @@ def _check(case: Case, transpose: bool, channels_first: bool, dtype: str) -> Non
                     _eff(k, d) - 1 - case.torch_padding
                     for k, d in zip(case.kernel, case.dilation, strict=True)
                 )
-            kw.update(padding=pad, output_padding=case.output_padding)
+            kw.update(padding=pad, output_padding=case.output_padding, transpose_kernel=tk)
             layer = bx.ConvTranspose(g / "conv", case.kernel, case.cout, rng, **kw)
         else:
             layer = bx.Conv(
@@ -270,7 +287,7 @@ def _check(case: Case, transpose: bool, channels_first: bool, dtype: str) -> Non
         seeded = rng.seed(bx.Params(), seed=0)
         _, abstract = jax.eval_shape(layer, seeded, xb)
         kernel_path, bias_path = ("net", "conv", "kernel"), ("net", "conv", "bias")
-        weights = {kernel_path: np.transpose(to_np(w), perm)}
+        weights = {kernel_path: to_kernel(w)}
         if case.use_bias:
             weights[bias_path] = to_np(b)
         new_paths = set(abstract.keys()) - set(seeded.keys())
@@ -300,7 +317,7 @@ def _check(case: Case, transpose: bool, channels_first: bool, dtype: str) -> Non
         )
         np.testing.assert_allclose(
             np.asarray(g_params[kernel_path].value),
-            np.transpose(to_np(w.grad), perm),
+            to_kernel(w.grad),
             **tol(dtype),
             err_msg="d/dkernel",
         )
@@ -325,10 +342,17 @@ def test_conv_matches_torch_float32(case, channels_first):
     _check(case, transpose=False, channels_first=channels_first, dtype="float32")
 
 
-@pytest.mark.parametrize("channels_first", LAYOUTS, ids=LAYOUT_IDS)
+# ConvTranspose in both kernel modes: transpose_kernel=True with ``weight.permute`` (both
+# layouts), and the default (jax-blox) mode with the flip-and-regroup recipe (channels-last;
+# the layout does not touch the kernel, see test_conv.py's channels_first test).
+TK_MODES = [(True, False), (True, True), (False, False)]
+TK_IDS = ["torch-layout-NHWC", "torch-layout-NCHW", "jax-blox-layout-NHWC"]
+
+
+@pytest.mark.parametrize("tk, channels_first", TK_MODES, ids=TK_IDS)
 @pytest.mark.parametrize("case", TRANSPOSE_CASES, ids=lambda c: c.name)
-def test_conv_transpose_matches_torch_float32(case, channels_first):
-    _check(case, transpose=True, channels_first=channels_first, dtype="float32")
+def test_conv_transpose_matches_torch_float32(case, tk, channels_first):
+    _check(case, transpose=True, channels_first=channels_first, dtype="float32", tk=tk)
 
 
 @pytest.mark.parametrize(
@@ -346,4 +370,9 @@ def test_conv_matches_torch_float64(case):
     ids=lambda c: c.name,
 )
 def test_conv_transpose_matches_torch_float64(case):
-    _check(case, transpose=True, channels_first=True, dtype="float64")
+    _check(case, transpose=True, channels_first=True, dtype="float64", tk=True)
+
+
+def test_grouped_conv_transpose_jax_blox_layout_matches_torch_float64():
+    case = next(c for c in TRANSPOSE_CASES if c.name == "2d-explicit-s3-g3")
+    _check(case, transpose=True, channels_first=True, dtype="float64", tk=False)

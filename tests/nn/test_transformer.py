@@ -3,11 +3,16 @@
 References: ``torch.nn.TransformerEncoderLayer(norm_first=True, batch_first=True)`` (the
 pre-norm block, with a causal mask and key padding), and a small torch decoder-only LM
 (``nn.Embedding`` + learned positions + those layers + ``nn.LayerNorm`` + tied output),
-weights copied across; forward and gradients w.r.t. every weight. Tolerances:
-``tol(dtype)`` (f32 rtol 1e-5 / atol 1e-6; f64 rtol 1e-10 / atol 1e-12).
+weights copied across; forward and gradients w.r.t. every weight. Left-padded batches
+(every position kind) against each prompt run alone, with and without the KV cache.
+Constructor signatures: options after ``rng`` keyword-only for the layers jax-blox lacks,
+jax-blox's positional signatures kept for its own. Tolerances: ``tol(dtype)`` (f32 rtol
+1e-5 / atol 1e-6; f64 rtol 1e-10 / atol 1e-12).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -281,6 +286,92 @@ def test_rope_rms_gqa_lm_decoding_equals_full_pass():
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=2e-5, atol=2e-5)
 
 
+def _left_padded(prompts, width):
+    """Left-pads `prompts` to `width` with token 0; returns (tokens (B, width), mask)."""
+    tokens = np.zeros((len(prompts), width), np.int32)
+    mask = np.zeros((len(prompts), width), bool)
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p) :] = p
+        mask[i, width - len(p) :] = True
+    return tokens, mask
+
+
+@pytest.mark.parametrize("position", ["rope", "learned", "sinusoidal", "none"])
+def test_left_padded_batch_decodes_like_each_prompt_alone(position):
+    """Prompts of lengths 5, 2 and 3, left-padded to 5 in one batch with a (B, L) key
+    mask: the KV-cache prefill and four decode steps give every row the logits of its
+    prompt decoded alone (batch 1, no padding); the full (non-cached) forward pass with a
+    (B, T) key mask, too. Positions are per row for every kind."""
+    v, d, length, steps = 17, 16, 10, 4
+    g = bx.Graph("lm")
+    rng = bx.Rng(g / "rng")
+    lm = bx.TransformerLM(
+        g / "model", v, d, 2, 4, rng, max_length=12, position=position, num_kv_heads=2
+    )
+    _, params = lm(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2), jnp.int32))
+    params = params.locked()
+    rs = np.random.default_rng(7)
+    prompts = [rs.integers(1, v, n) for n in (5, 2, 3)]
+    follow = rs.integers(1, v, (3, steps))  # the tokens fed after the prompts
+    tokens, mask = _left_padded(prompts, 5)
+    cache_mask = np.concatenate([mask, np.ones((3, length - 5), bool)], 1)
+
+    step = jax.jit(lambda p, tok, m: lm(p, tok, key_mask=m, decode=True, is_training=False))
+    cache = lm.init_cache(params, 3, length)
+    prefill, cache = step(cache, jnp.asarray(tokens), jnp.asarray(cache_mask))
+    decoded = []
+    for s in range(steps):
+        out, cache = step(cache, jnp.asarray(follow[:, s : s + 1]), jnp.asarray(cache_mask))
+        decoded.append(out[:, 0])
+    full, _ = jax.jit(lambda p, tok, m: lm(p, tok, key_mask=m, is_training=False))(
+        params, jnp.asarray(tokens), jnp.asarray(mask)
+    )
+
+    # Each prompt alone (batch 1, no padding, no key mask), fed one token per call (one
+    # compilation; cached decoding equals the full pass, see the tests above).
+    alone_step = jax.jit(lambda p, tok: lm(p, tok, decode=True, is_training=False))
+    for i, prompt in enumerate(prompts):
+        pad, alone, want = 5 - len(prompt), lm.init_cache(params, 1, length), []
+        for token in [*prompt, *follow[i]]:
+            out, alone = alone_step(alone, jnp.full((1, 1), token, jnp.int32))
+            want.append(np.asarray(out[0, 0]))
+        n = len(prompt)
+        _assert_close(prefill[i, pad:], np.stack(want[:n]), "float32", f"row {i} prefill")
+        _assert_close(full[i, pad:], np.stack(want[:n]), "float32", f"row {i} full pass")
+        for s in range(steps):
+            _assert_close(decoded[s][i], want[n + s], "float32", f"row {i} decode step {s}")
+
+
+def test_explicit_positions_equal_the_key_mask_default():
+    g = bx.Graph("lm")
+    rng = bx.Rng(g / "rng")
+    lm = bx.TransformerLM(g / "model", 13, 8, 1, 2, rng, max_length=8, position="learned")
+    tokens, mask = _left_padded([[3, 4, 5], [6, 7]], 4)
+    _, params = lm(rng.seed(bx.Params(), seed=0), jnp.asarray(tokens), is_training=False)
+    by_mask, _ = lm(params, jnp.asarray(tokens), key_mask=jnp.asarray(mask), is_training=False)
+    explicit = jnp.asarray([[0, 0, 1, 2], [0, 0, 0, 1]])
+    np.testing.assert_array_equal(
+        lm.row_positions(params, jnp.asarray(tokens), jnp.asarray(mask)), explicit
+    )
+    by_positions, _ = lm(
+        params,
+        jnp.asarray(tokens),
+        key_mask=jnp.asarray(mask),
+        positions=explicit,
+        is_training=False,
+    )
+    np.testing.assert_array_equal(np.asarray(by_positions), np.asarray(by_mask))
+    with pytest.raises(ValueError, match=r"'lm/model': positions must be integers of shape"):
+        lm(params, jnp.asarray(tokens), positions=jnp.arange(3), is_training=False)
+    with pytest.raises(ValueError, match=r"key_mask must be a boolean array of shape \(B, T\)"):
+        lm(params, jnp.asarray(tokens), key_mask=jnp.ones((2, 5), bool), is_training=False)
+    cache = lm.init_cache(params, 2, 6)
+    with pytest.raises(
+        ValueError, match=r"key_mask must be a boolean array of shape \(B, L\) = \(2, 6\)"
+    ):
+        lm(cache, jnp.asarray(tokens), key_mask=jnp.asarray(mask), decode=True)
+
+
 def test_block_and_lm_bf16_params_compute_in_bf16():
     g = bx.Graph("lm")
     rng = bx.Rng(g / "rng")
@@ -314,6 +405,74 @@ def test_transformer_errors():
     with pytest.raises(ValueError, match=r"'lm/lm/block_0/attn': KV cache overflow"):
         cache = lm.init_cache(params, 1, 3)
         lm(cache, jnp.ones((1, 4), jnp.int32), decode=True)
+
+
+# Layers jax-blox 0.1.6 lacks: (graph, defining sizes..., rng) positional, then only
+# keywords. jax-blox's own layers keep its positional signatures (test_conv.py checks
+# Conv's; Embed and ConvTranspose are listed here).
+_POSITIONAL = {
+    bx.MultiHeadAttention: ("graph", "model_size", "num_heads", "rng"),
+    bx.TransformerBlock: ("graph", "model_size", "num_heads", "rng"),
+    bx.TransformerLM: ("graph", "vocab_size", "model_size", "num_layers", "num_heads", "rng"),
+    bx.LearnedPositionalEmbedding: ("graph", "max_length", "rng"),
+    bx.SinusoidalPositionalEncoding: ("graph",),
+    bx.PReLU: ("graph", "num_parameters", "rng"),
+    bx.ConvBNSiLU: ("graph", "kernel_size", "output_channels", "rng"),
+    bx.Bottleneck: ("graph", "output_channels", "rng"),
+    bx.C2f: ("graph", "output_channels", "rng"),
+    bx.SPPF: ("graph", "output_channels", "rng"),
+    bx.YOLONeck: ("graph", "rng"),
+    bx.YOLOBackbone: ("graph", "rng"),
+    bx.YOLOBackboneNeck: ("graph", "rng"),
+}
+_JAX_BLOX = {
+    bx.Embed: ("graph num_embeddings embedding_size rng embedding_init embedding_metadata".split()),
+    bx.ConvTranspose: (
+        "graph kernel_size output_channels rng strides padding kernel_dilation "
+        "feature_group_count use_bias kernel_init bias_init kernel_metadata bias_metadata"
+    ).split(),
+}
+
+
+def _split_signature(cls):
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # drop self
+    positional = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+    others = {p.kind for p in params if p.kind is not p.POSITIONAL_OR_KEYWORD}
+    return positional, others
+
+
+@pytest.mark.parametrize("cls", list(_POSITIONAL), ids=lambda c: c.__name__)
+def test_options_after_rng_are_keyword_only(cls):
+    positional, others = _split_signature(cls)
+    assert positional == _POSITIONAL[cls]
+    assert others <= {inspect.Parameter.KEYWORD_ONLY}
+
+
+@pytest.mark.parametrize("cls", list(_JAX_BLOX), ids=lambda c: c.__name__)
+def test_jax_blox_layers_keep_their_positional_signatures(cls):
+    positional, _ = _split_signature(cls)
+    assert positional == tuple(_JAX_BLOX[cls])
+
+
+def test_old_positional_orders_fail_loudly():
+    """Code written for the old orders raises instead of building a different layer."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    # MultiHeadAttention(graph, num_heads=2, model_size=8, rng) in the old order.
+    with pytest.raises(ValueError, match=r"num_heads = 8 does not divide model_size = 2"):
+        bx.MultiHeadAttention(g / "attn", 2, 8, rng)
+    with pytest.raises(TypeError, match=r"positional argument"):
+        bx.LearnedPositionalEmbedding(g / "pos", 8, rng, jax.nn.initializers.zeros)
+    with pytest.raises(TypeError, match=r"positional argument"):
+        bx.SinusoidalPositionalEncoding(g / "sin", 100.0)
+    with pytest.raises(TypeError, match=r"'net/act': rng must be a blox Rng or None.*init="):
+        bx.PReLU(g / "act", 3, 0.1)  # PyTorch's PReLU(3, 0.1): init is keyword-only
+    with pytest.raises(TypeError, match=r"positional argument"):
+        bx.ConvBNSiLU(g / "cbs", 3, 16, rng, 2)
+    with pytest.raises(TypeError, match=r"positional argument"):
+        bx.C2f(g / "c2f", 16, rng, 2)
+    with pytest.raises(TypeError, match=r"positional argument"):
+        bx.YOLONeck(g / "neck", rng, (8, 16, 32))
 
 
 def test_transformer_benchmark_quick_smoke(tmp_path):
