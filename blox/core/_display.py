@@ -5,7 +5,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from blox.core._graph import Graph
 from blox.core._module import Module
@@ -33,17 +35,60 @@ def _describe(value: Any) -> tuple[str, str, int, int]:
     return str(tuple(int(d) for d in shape)), str(dtype), size, size * int(itemsize)
 
 
-def _fmt_sharding(meta: dict) -> str:
-    s = meta.get("sharding")
-    if not s:
-        return "-"
-    return "(" + ", ".join("None" if e is None else str(e) for e in s) + ")"
+def _fmt_entry(entry: Any) -> str:
+    if entry is None:
+        return "None"
+    if isinstance(entry, tuple):
+        return "(" + ", ".join(str(a) for a in entry) + ")"
+    return str(entry)
+
+
+def _fmt_entries(entries: Any) -> str:
+    return "(" + ", ".join(_fmt_entry(e) for e in entries) + ")"
+
+
+def _axes(entries: Any, ndim: int) -> tuple:
+    """Per-dimension tuples of axis names, padded to `ndim` (for comparing specs)."""
+    out = [() if e is None else (tuple(e) if isinstance(e, tuple) else (e,)) for e in entries]
+    return tuple(out + [()] * (ndim - len(out)))
+
+
+def _placed_spec(value: Any) -> tuple | None:
+    """The spec of a concrete `jax.Array` placed with a `NamedSharding`, padded to its
+    rank; None for abstract values, tracers and single-device arrays."""
+    if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+        return None
+    sharding = value.sharding
+    if not isinstance(sharding, NamedSharding):
+        return None
+    spec = tuple(sharding.spec)
+    return spec + (None,) * (value.ndim - len(spec))
+
+
+def _fmt_sharding(meta: dict, value: Any = None) -> str:
+    """The sharding cell: the placed spec of a concrete mesh-placed array (``replicated``
+    when no dimension is split), marked ``!= metadata (...)`` where it differs from a
+    declared ``metadata['sharding']``; otherwise the metadata (``-`` when absent)."""
+    declared = meta.get("sharding")
+    placed = _placed_spec(value)
+    if placed is None:
+        return _fmt_entries(declared) if declared else "-"
+    text = _fmt_entries(placed) if any(e is not None for e in placed) else "replicated"
+    ndim = len(placed)
+    if declared and _axes(declared, ndim) != _axes(placed, ndim):
+        text += f" != metadata {_fmt_entries(declared)}"
+    return text
 
 
 def params_table(params: Params) -> str:
     """A text table of every parameter with totals (what ``repr(params)`` shows).
 
-    Columns: path, shape, dtype, trainable, sharding, bytes.
+    Columns: path, shape, dtype, trainable, sharding, bytes. The sharding column shows
+    the sharding an array actually has when it is a concrete ``jax.Array`` placed with a
+    ``NamedSharding`` (its spec, e.g. ``(model, None)``, or ``replicated``), and marks it
+    ``!= metadata (...)`` where it differs from the parameter's ``metadata['sharding']``;
+    for abstract values, tracers and single-device arrays it shows the metadata (``-``
+    when there is none).
     """
     s = params._struct
     rows = [("path", "shape", "dtype", "trainable", "sharding", "bytes")]
@@ -60,7 +105,7 @@ def params_table(params: Params) -> str:
                 shape,
                 dtype,
                 "yes" if trainable else "no",
-                _fmt_sharding(_thaw(meta)),
+                _fmt_sharding(_thaw(meta), value),
                 f"{b:,}",
             )
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from blox.core._params import Params, _thaw, format_path
 
@@ -95,3 +95,72 @@ def named_shardings(params: Params, mesh: Mesh) -> Params:
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
+
+
+# ---------------------------------------------------------------------------
+# Output shardings of matmuls on Explicit meshes (shared by `Linear` and the
+# tensor-parallel layers of `blox.parallel`).
+# ---------------------------------------------------------------------------
+
+
+def _axes_of(entry: Any) -> tuple:
+    """The mesh-axis names of one PartitionSpec entry (None -> ())."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _padded_spec(spec: Any, ndim: int) -> tuple:
+    spec = tuple(spec)
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _all_explicit(mesh: Any, entries: tuple) -> bool:
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return all(types.get(a) == AxisType.Explicit for e in entries for a in _axes_of(e))
+
+
+def row_out_sharding(x: jax.Array, axis: str) -> NamedSharding | None:
+    """On an Explicit mesh, the output sharding of ``x @ W`` with W sharded on its rows
+    over `axis`: x's batch dims kept, the feature dim replicated (the compiler
+    all-reduces). None when `axis` is not an Explicit axis of x's mesh (Auto meshes,
+    off-mesh arrays): then JAX needs no ``out_sharding``."""
+    sh = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sh, "mesh", None)
+    if mesh is None or axis not in getattr(mesh, "axis_names", ()):
+        return None
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if types[axis] != AxisType.Explicit:
+        return None
+    spec = _padded_spec(sh.spec, x.ndim)
+    return NamedSharding(mesh, PartitionSpec(*spec[:-1], None))
+
+
+def dot_out_sharding(x: jax.Array, kernel: jax.Array) -> NamedSharding | None:
+    """The ``out_sharding`` that ``jnp.dot(x, kernel)`` (x ``(..., D_in)``, kernel
+    ``(D_in, D_out)``) needs on an Explicit mesh, or None where JAX needs none.
+
+    JAX refuses to guess the output sharding only when the contracting dimension is
+    sharded in both operands (x's last dim and the kernel's rows). Then the output keeps
+    x's batch-dim spec, and its feature dim follows the kernel's columns when those axes
+    are free (not used by x's batch dims), else it is replicated; the compiler inserts
+    the all-reduce (or reduce-scatter). Off-mesh and on Auto meshes the array types
+    carry no axes, so this returns None after two attribute lookups.
+    """
+    x_spec = jax.typeof(x).sharding.spec
+    n = x.ndim
+    if len(x_spec) < n or x_spec[n - 1] is None:
+        return None
+    k_sh = jax.typeof(kernel).sharding
+    k_spec = _padded_spec(k_sh.spec, 2)
+    if k_spec[0] is None:
+        return None
+    mesh = jax.typeof(x).sharding.mesh
+    batch = _padded_spec(x_spec, n)[:-1]
+    if not _all_explicit(mesh, (x_spec[n - 1], k_spec[0])):
+        return None
+    used = {a for e in batch for a in _axes_of(e)}
+    col = k_spec[1]
+    if col is not None and (used & set(_axes_of(col)) or not _all_explicit(mesh, (col,))):
+        col = None
+    return NamedSharding(mesh, PartitionSpec(*batch, col))

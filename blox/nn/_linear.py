@@ -7,10 +7,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from blox.core import Graph, Module, Params, Rng
 from blox.core._module import stored_shape_error
 from blox.core._params import format_path
+from blox.core._sharding import dot_out_sharding
 
 __all__ = ["Linear", "MLP", "compute_dtype"]
 
@@ -45,6 +47,18 @@ class Linear(Module):
       bias_metadata: stored with the bias.
       dtype: the compute dtype; default: the promotion of the input and param dtypes.
       param_dtype: the dtype parameters are created in (default float32).
+
+    Call: ``layer(params, x, precision=None, *, out_sharding=None)``. On a sharded
+    ``x``/kernel the layer computes the unsharded math. ``out_sharding`` (a
+    ``NamedSharding``, or a ``PartitionSpec`` under ``jax.set_mesh``) places the output:
+    on an *Explicit* mesh it is the matmul's ``out_sharding`` (the bias is resharded to
+    its feature spec), on an *Auto* mesh a ``with_sharding_constraint``. When it is None
+    and the contracting dimension is sharded in both ``x`` and the kernel on an Explicit
+    mesh (row parallelism, e.g. kernel on ``P('model', None)`` and ``x`` on
+    ``P('data', 'model')``), where JAX would raise ``ShardingTypeError``, the layer
+    infers one: ``x``'s batch-dim spec kept, the features following the kernel's
+    columns when those axes are free, else replicated (the compiler all-reduces). Off
+    a mesh and on Auto meshes nothing is added.
 
     Parameters: ``<path>/kernel`` ``(D_in, D_out)``, ``<path>/bias`` ``(D_out,)``.
     PyTorch's ``nn.Linear.weight`` is ``(D_out, D_in)``: store ``weight.T``. A stored
@@ -91,9 +105,15 @@ class Linear(Module):
         self.param_dtype = param_dtype
 
     def __call__(
-        self, params: Params, x: jax.Array, precision: Any = None
+        self,
+        params: Params,
+        x: jax.Array,
+        precision: Any = None,
+        *,
+        out_sharding: NamedSharding | PartitionSpec | None = None,
     ) -> tuple[jax.Array, Params]:
-        """Applies the layer. ``x``: ``(..., D_in)``; returns ``((..., D_out), params)``."""
+        """Applies the layer. ``x``: ``(..., D_in)``; returns ``((..., D_out), params)``.
+        ``out_sharding``: the output's sharding (see the class docstring)."""
         x = jnp.asarray(x)
         if x.ndim == 0:
             raise ValueError(
@@ -112,7 +132,11 @@ class Linear(Module):
             rng=self.rng,
         )
         cd = compute_dtype(x, kernel.dtype, self.dtype)
-        y = jnp.dot(x.astype(cd), kernel.astype(cd), precision=precision)
+        if out_sharding is None:
+            dot_sharding, constraint = dot_out_sharding(x, kernel), None
+        else:
+            dot_sharding, constraint = self._out_sharding(out_sharding, x.ndim)
+        y = jnp.dot(x.astype(cd), kernel.astype(cd), precision=precision, out_sharding=dot_sharding)
         if self.use_bias:
             bias, params = self.get_param(
                 params,
@@ -123,8 +147,52 @@ class Linear(Module):
                 metadata=self.bias_metadata,
                 rng=self.rng,
             )
-            y = y + jnp.broadcast_to(bias.astype(cd), y.shape)
+            bias = bias.astype(cd)
+            if dot_sharding is not None:
+                bias = _reshard_features(bias, dot_sharding, x.ndim)
+            y = y + jnp.broadcast_to(bias, y.shape)
+        if constraint is not None:
+            y = jax.lax.with_sharding_constraint(y, constraint)
         return y, params
+
+    def _out_sharding(
+        self, out_sharding: Any, ndim: int
+    ) -> tuple[NamedSharding | None, NamedSharding | None]:
+        """A user's ``out_sharding`` as ``(matmul out_sharding, sharding constraint)``:
+        the first on a mesh with Explicit axes, the second on an Auto mesh."""
+        where = f"Linear '{self.path_str}'"
+        if isinstance(out_sharding, PartitionSpec):
+            mesh = jax.sharding.get_abstract_mesh()
+            if mesh.empty:
+                raise ValueError(
+                    f"{where}: out_sharding={out_sharding} is a PartitionSpec but no mesh is "
+                    "set. Call the layer under `with jax.set_mesh(mesh):` or pass "
+                    "out_sharding=NamedSharding(mesh, spec)."
+                )
+            spec = out_sharding
+        elif isinstance(out_sharding, NamedSharding):
+            mesh, spec = out_sharding.mesh, out_sharding.spec
+        else:
+            raise TypeError(
+                f"{where}: out_sharding must be a jax.sharding.NamedSharding, a PartitionSpec "
+                f"(under jax.set_mesh) or None, got {type(out_sharding).__name__}."
+            )
+        if len(spec) > ndim:
+            raise ValueError(
+                f"{where}: out_sharding {spec} has {len(spec)} entries but the output has "
+                f"{ndim} dims (..., {self.output_size}). Give at most one entry per dimension."
+            )
+        for entry in spec:
+            for axis in entry if isinstance(entry, tuple) else (entry,):
+                if axis is not None and axis not in mesh.axis_names:
+                    raise ValueError(
+                        f"{where}: out_sharding {spec} names mesh axis {axis!r}, but the mesh "
+                        f"has axes {tuple(mesh.axis_names)}. Use one of those axes."
+                    )
+        sharding = NamedSharding(mesh, spec)
+        if mesh.explicit_axes:
+            return sharding, None
+        return None, sharding
 
     def _check_kernel(self, params: Params, x: jax.Array) -> None:
         """A stored kernel that cannot fit ``output_size`` is blamed, not the input."""
@@ -218,12 +286,32 @@ class MLP(Module):
         ]
 
     def __call__(
-        self, params: Params, x: jax.Array, precision: Any = None
+        self,
+        params: Params,
+        x: jax.Array,
+        precision: Any = None,
+        *,
+        out_sharding: NamedSharding | PartitionSpec | None = None,
     ) -> tuple[jax.Array, Params]:
-        """Applies the MLP. ``x``: ``(..., D_in)``; returns ``((..., D_out), params)``."""
+        """Applies the MLP. ``x``: ``(..., D_in)``; returns ``((..., D_out), params)``.
+        ``out_sharding`` places the output (the last `Linear`'s ``out_sharding``); the
+        hidden layers infer theirs as `Linear` does."""
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, params = layer(params, x, precision=precision)
+            os_ = out_sharding if i == last else None
+            x, params = layer(params, x, precision=precision, out_sharding=os_)
             if i < last or self.activate_final:
                 x = self.activation(x)
         return x, params
+
+
+def _reshard_features(bias: jax.Array, out: NamedSharding, ndim: int) -> jax.Array:
+    """`bias` ``(D_out,)`` moved to the feature spec of the output sharding `out` (of an
+    ``ndim``-dim output) when it is sharded otherwise, so the bias add keeps `out`."""
+    spec = tuple(out.spec)
+    want = spec[ndim - 1] if len(spec) == ndim else None
+    have = jax.typeof(bias).sharding.spec
+    have = have[0] if len(have) else None
+    if have is None or have == want:
+        return bias
+    return jax.sharding.reshard(bias, NamedSharding(out.mesh, PartitionSpec(want)))
