@@ -1,0 +1,79 @@
+"""Issue 16, test 1, on the parallel examples: through ``python -m blox.launch -n 2
+--devices-per-process 4``, ``examples/dp_classifier.py`` (DP over 8 devices) and
+``examples/gpt_tp.py --mesh 2x4`` (DP x TP, the model axis inside each process, the data
+axis across them) print the same ``step=<n> loss=<repr>`` lines on rank 0 as one process
+with 8 devices, to 1e-6; rank 1 prints the same values as rank 0 (one replicated loss).
+
+Reference: the single-process runs of the same scripts on 8 simulated devices. The four
+runs go side by side (subprocesses) to keep the wall time small.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+
+from tests.scripts import ROOT
+
+STEPS = "3"
+RUNS = {
+    "dp": ("examples/dp_classifier.py", "--size", "tiny", "--steps", STEPS),
+    "gpt": ("examples/gpt_tp.py", "--size", "tiny", "--steps", STEPS, "--mesh", "2x4"),
+}
+LAUNCH = ("-m", "blox.launch", "-n", "2", "--devices-per-process", "4")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOX_")}
+    env.pop("XLA_FLAGS", None)
+    env.update(extra)
+    return env
+
+
+def _lines(out: str, tag: str = "") -> list[str]:
+    return [line[len(tag) :] for line in out.splitlines() if line.startswith(tag + "step=")]
+
+
+def _losses(lines: list[str]) -> np.ndarray:
+    return np.array([float(re.fullmatch(r"step=\d+ loss=(\S+)", s)[1]) for s in lines])
+
+
+def test_two_processes_print_the_lines_of_one_process_on_eight_devices():
+    single_env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    commands = {}
+    for name, argv in RUNS.items():
+        commands[f"{name}/1x8"] = ([sys.executable, *argv], single_env)
+        commands[f"{name}/2x4"] = ([sys.executable, *LAUNCH, *argv], _env())
+    procs = {
+        key: subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+        )
+        for key, (cmd, env) in commands.items()
+    }
+    outs = {}
+    try:
+        for key, proc in procs.items():
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, (key, out[-3000:] + err[-3000:])
+            outs[key] = out
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+    for name in RUNS:
+        one, two = outs[f"{name}/1x8"], outs[f"{name}/2x4"]
+        assert "over 8 cpu devices (cpu), 1 process" in one, one
+        assert "[0] Mesh(" in two and "over 8 cpu devices (cpu), 2 processes" in two, two
+        reference, rank0, rank1 = _lines(one), _lines(two, "[0] "), _lines(two, "[1] ")
+        assert len(reference) == len(rank0) == len(rank1) == int(STEPS), (name, two[-3000:])
+        assert [s.split()[0] for s in rank0] == [s.split()[0] for s in reference]
+        np.testing.assert_allclose(
+            _losses(rank0), _losses(reference), rtol=0, atol=1e-6, err_msg=name
+        )
+        np.testing.assert_array_equal(_losses(rank1), _losses(rank0), err_msg=name)
