@@ -11,6 +11,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from blox.core import Graph, Module, Params, Rng
+from blox.core._errors import BloxKeyError
 from blox.nn._linear import Linear
 from blox.nn._position import apply_rotary
 
@@ -253,7 +254,7 @@ class MultiHeadAttention(Module):
         """The number of cached positions (int32 scalar)."""
         index = params._get_value(self.param_path("cache_index"))
         if index is None:
-            raise KeyError(_NO_CACHE.format(path=self.path_str))
+            raise BloxKeyError(_NO_CACHE.format(path=self.path_str))
         return index
 
     # -- call ---------------------------------------------------------------------
@@ -360,14 +361,14 @@ class MultiHeadAttention(Module):
     def _cache_length(self, params: Params) -> int:
         ck = params._get_value(self.param_path("cache_key"))
         if ck is None:
-            raise KeyError(_NO_CACHE.format(path=self.path_str))
+            raise BloxKeyError(_NO_CACHE.format(path=self.path_str))
         return ck.shape[1]
 
     def _decode_index(self, params: Params, x: jax.Array) -> jax.Array:
         index = params._get_value(self.param_path("cache_index"))
         ck = params._get_value(self.param_path("cache_key"))
         if index is None or ck is None:
-            raise KeyError(_NO_CACHE.format(path=self.path_str))
+            raise BloxKeyError(_NO_CACHE.format(path=self.path_str))
         b, t = x.shape[:2]
         length = ck.shape[1]
         if ck.shape[0] != b:

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from blox.core import Graph, Module, Params, Rng
+from blox.core._module import stored_shape_error
+from blox.core._params import format_path
 from blox.nn._linear import compute_dtype
 
 __all__ = ["Conv", "ConvTranspose", "PaddingLike"]
@@ -297,16 +299,48 @@ class _ConvBase(Module):
             )
         return batch, cin, spatial
 
-    def _check_kernel(self, params: Params, expected: tuple[int, ...], x: jax.Array) -> None:
-        existing = params._get_value(self.param_path("kernel"))
-        shape = getattr(existing, "shape", None)
-        if shape is not None and tuple(shape) != expected:
-            raise ValueError(
-                f"{self._where}: its kernel has shape {tuple(shape)} in params, but input "
-                f"shape {tuple(x.shape)} needs {expected} (layout "
-                f"{_layout(self.num_spatial_dims, self.channels_first)}). Fix the input's "
-                "channel axis (or the layout: channels_first) or re-initialize the params."
-            )
+    def _check_kernel(
+        self,
+        params: Params,
+        expected: tuple[int, ...],
+        x: jax.Array,
+        legend: str,
+        fixed: int,
+        torch_shape: tuple[int, ...],
+        torch_fix: str,
+    ) -> None:
+        """Checks a stored kernel against ``expected`` (laid out as ``legend``).
+
+        The spatial axes and the channel axis ``fixed`` (-1 or -2) follow from the
+        configuration alone: a stored kernel that differs there is blamed, not the input,
+        and PyTorch's layout (``torch_shape``) is recognized and told how to convert
+        (``torch_fix``). Only the input-channel axis follows from the input, so a stored
+        kernel that differs there alone means the input changed.
+        """
+        path = self.param_path("kernel")
+        shape = getattr(params._get_value(path), "shape", None)
+        if shape is None or tuple(shape) == expected:
+            return
+        stored, n = tuple(shape), self.num_spatial_dims
+        if len(stored) != n + 2 or stored[:n] != expected[:n] or stored[fixed] != expected[fixed]:
+            why = f" = {legend} for input shape {tuple(x.shape)}"
+            if stored == torch_shape:
+                raise ValueError(
+                    f"Parameter '{format_path(path)}' is stored with shape {stored}, but "
+                    f"{self._where} expects {expected}{why}. The stored value is in "
+                    f"PyTorch's layout {torch_fix}."
+                )
+            raise ValueError(stored_shape_error(self, path, stored, expected, why))
+        raise ValueError(
+            f"{self._where}: its kernel has shape {stored} in params, but input "
+            f"shape {tuple(x.shape)} needs {expected} (layout "
+            f"{_layout(n, self.channels_first)}). Fix the input's "
+            "channel axis (or the layout: channels_first) or re-initialize the params."
+        )
+
+    def _permute(self) -> str:
+        """PyTorch weight axes -> blox kernel axes, e.g. ``'2, 3, 1, 0'`` for 2-D."""
+        return ", ".join(str(i) for i in (*range(2, self.num_spatial_dims + 2), 1, 0))
 
     def _finish(
         self,
@@ -472,7 +506,17 @@ class Conv(_ConvBase):
                     "padding='SAME', a smaller kernel or dilation, or a larger input."
                 )
         kshape = self.kernel_size + (cin // g, self.output_channels)
-        self._check_kernel(params, kshape, x)
+        perm = self._permute()
+        self._check_kernel(
+            params,
+            kshape,
+            x,
+            "(*kernel_size, C_in // G, C_out)",
+            -1,
+            (self.output_channels, cin // g) + self.kernel_size,
+            f"(C_out, C_in // G, *kernel_size): store kernel = weight.permute({perm}) (NumPy: "
+            f"weight.transpose({perm})); weight.T would also reverse the kernel axes",
+        )
         kernel, params = self.get_param(
             params,
             "kernel",
@@ -744,7 +788,25 @@ class ConvTranspose(_ConvBase):
                 f"{not self.transpose_kernel} (PyTorch weights: True), or convert the "
                 "kernel as the ConvTranspose docstring shows."
             )
-        self._check_kernel(params, kshape, x)
+        perm = self._permute()
+        self._check_kernel(
+            params,
+            kshape,
+            x,
+            "(*kernel_size, C_out // G, C_in)"
+            if self.transpose_kernel
+            else "(*kernel_size, C_out, C_in // G)",
+            -2,
+            (cin, cout // g) + self.kernel_size,
+            f"(C_in, C_out // G, *kernel_size): store kernel = weight.permute({perm})"
+            + (
+                ""
+                if self.transpose_kernel
+                else " and construct the layer with transpose_kernel=True (PyTorch's semantics; "
+                "the default mode needs the spatially flipped kernel, see the ConvTranspose "
+                "docstring)"
+            ),
+        )
         kernel, params = self.get_param(
             params,
             "kernel",

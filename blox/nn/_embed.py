@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from blox.core import Graph, Module, Params, Rng
+from blox.core._module import stored_shape_error
 from blox.nn._linear import compute_dtype
 
 __all__ = ["Embed"]
@@ -84,6 +85,7 @@ class Embed(Module):
 
     def embedding(self, params: Params) -> tuple[jax.Array, Params]:
         """Returns ``(table (V, D), params)``, creating the table if it is missing."""
+        self._check_table(params)
         return self.get_param(
             params,
             "embedding",
@@ -93,6 +95,22 @@ class Embed(Module):
             metadata=self.embedding_metadata,
             rng=self.rng,
         )
+
+    def _check_table(self, params: Params) -> None:
+        path = self.param_path("embedding")
+        stored = getattr(params._get_value(path), "shape", None)
+        expected = (self.num_embeddings, self.embedding_size)
+        if stored is not None and tuple(stored) != expected:
+            raise ValueError(
+                stored_shape_error(
+                    self,
+                    path,
+                    tuple(stored),
+                    expected,
+                    f" = (V, D) for num_embeddings={self.num_embeddings}, "
+                    f"embedding_size={self.embedding_size}",
+                )
+            )
 
     def __call__(self, params: Params, indices: jax.Array) -> tuple[jax.Array, Params]:
         """Looks up ``indices`` ``(...)`` (integers); returns ``((..., D), params)``."""
@@ -119,6 +137,7 @@ class Embed(Module):
         table's dtype.
         """
         x = jnp.asarray(x)
+        self._check_table(params)  # a wrong stored table is its own fault, not the input's
         if x.ndim == 0 or x.shape[-1] != self.embedding_size:
             raise ValueError(
                 f"Embed '{self.path_str}'.attend expects inputs of shape (..., "

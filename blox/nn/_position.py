@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from blox.core import Graph, Module, Params, Rng
+from blox.core._module import stored_shape_error
+from blox.core._params import format_path
 
 __all__ = [
     "LearnedPositionalEmbedding",
@@ -254,12 +256,27 @@ class LearnedPositionalEmbedding(Module):
                 "a larger max_length."
             )
         d = x.shape[-1]
-        existing = params._get_value(self.param_path("embedding"))
-        if existing is not None and hasattr(existing, "shape") and existing.shape[-1] != d:
+        path = self.param_path("embedding")
+        stored = getattr(params._get_value(path), "shape", None)
+        stored = None if stored is None else tuple(stored)
+        # The table's first axis follows from max_length alone: a stored table that differs
+        # there (a transposed (D, L) copy, another max_length) is blamed, not the input.
+        if stored is not None and (len(stored) != 2 or stored[0] != self.max_length):
             raise ValueError(
-                f"{where} expects inputs of shape (..., {existing.shape[-1]}) (embedding "
-                f"{tuple(existing.shape)}), got {tuple(x.shape)}. Fix the input's last "
-                "dimension or re-initialize."
+                stored_shape_error(
+                    self,
+                    path,
+                    stored,
+                    (self.max_length, d),
+                    f" = (L, D) for max_length={self.max_length} and input shape {tuple(x.shape)}",
+                )
+            )
+        if stored is not None and stored[1] != d:
+            raise ValueError(
+                f"{where} expects inputs of shape (..., {stored[1]}) (embedding "
+                f"{stored} = (L, D)), got {tuple(x.shape)}. Fix the input's last dimension; "
+                f"or, if '{format_path(path)}' was made for another feature size, replace it "
+                f"with a {(self.max_length, d)} table or re-initialize."
             )
         table, params = self.get_param(
             params,

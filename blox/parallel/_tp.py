@@ -28,10 +28,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jax.typing import ArrayLike
 
 from blox.core import Graph, Module, Params, Rng
+from blox.core._sharding import row_out_sharding as _row_out_sharding
 from blox.nn import Dropout, LayerNorm, RMSNorm, apply_rotary
 from blox.parallel._mesh import bound_axes, check_vma_enabled
 
@@ -67,20 +67,6 @@ def _manual_size(axis: str, where: str) -> int | None:
             "check_vma=False."
         )
     return jax.lax.axis_size(axis)
-
-
-def _row_out_sharding(x: jax.Array, axis: str) -> NamedSharding | None:
-    """On an Explicit mesh, the output sharding of ``x @ W`` with W sharded on its rows:
-    x's batch dims kept, the feature dim replicated (the compiler all-reduces)."""
-    sh = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sh, "mesh", None)
-    if mesh is None or axis not in getattr(mesh, "axis_names", ()):
-        return None
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    if types[axis] != AxisType.Explicit:
-        return None
-    spec = tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec))
-    return NamedSharding(mesh, PartitionSpec(*spec[:-1], None))
 
 
 class _ParallelLinear(Module):
@@ -369,8 +355,13 @@ class ParallelMultiHeadAttention(Module):
     ``kernel`` and a ``bias``); rules in `transformer_tp_rules`. No KV cache (decode).
 
     Call: ``attn(params, x, context=None, *, mask=None, key_mask=None,
-    is_causal=False, is_training=True)`` -> ``((B, T, output_size), params)``; ``mask``
-    broadcastable to ``(B, N, T, S)``, ``key_mask`` ``(B, S)``.
+    is_causal=False, is_training=True)`` -> ``((B, T, output_size), params)``. ``mask``
+    (boolean, True = may attend) as in `MultiHeadAttention`, read by its rank: ``(T, S)``
+    for every sequence and head, ``(B, T, S)`` one per sequence shared by the heads (never
+    ``(N, T, S)``), ``(B, N, T, S)`` per head (size-1 axes broadcast; give per-head masks
+    as ``(B, N, T, S)`` or ``mask[None]``), always with all N heads: each device cuts out
+    its own. ``key_mask`` ``(B, S)``. Inside ``shard_map`` B is the device's batch shard,
+    so pass the masks sharded like ``x``.
 
     >>> import jax.numpy as jnp, blox as bx
     >>> from blox import parallel as bp
@@ -550,16 +541,25 @@ class ParallelMultiHeadAttention(Module):
             if mask.dtype != jnp.bool_:
                 raise TypeError(f"{where}: mask must be boolean (True = may attend).")
             full = (b, n, t, s)
+            # By rank, as MultiHeadAttention: (T, S), (B, T, S) shared by the heads (never
+            # read as (N, T, S)), (B, N, T, S); then this device's heads are cut out.
+            if mask.ndim == 3:
+                mask4 = mask.reshape(mask.shape[0], 1, *mask.shape[1:])
+            else:
+                mask4 = mask.reshape((1,) * max(4 - mask.ndim, 0) + mask.shape)
             try:
-                ok = mask.ndim <= 4 and np.broadcast_shapes(mask.shape, full) == full
+                ok = 2 <= mask.ndim <= 4 and np.broadcast_shapes(mask4.shape, full) == full
             except ValueError:
                 ok = False
             if not ok:
                 raise ValueError(
-                    f"{where}: mask of shape {tuple(mask.shape)} does not broadcast to (B, N, "
-                    f"T, S) = {full}."
+                    f"{where}: mask of shape {tuple(mask.shape)} does not match (T, S) = "
+                    f"{(t, s)}, (B, T, S) = {(b, t, s)} or (B, N, T, S) = {full} (B: this "
+                    "device's batch shard; size-1 axes broadcast; a 3-D mask is (B, T, S), "
+                    "shared by the heads: give per-head masks as (B, N, T, S) or mask[None] "
+                    "for (1, N, T, S)). For padding use key_mask of shape (B, S)."
                 )
-            mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+            mask = mask4
             if mask.shape[1] == n and nl != n:
                 start = 0 if idx is None else idx * nl
                 mask = jax.lax.dynamic_slice_in_dim(mask, start, nl, 1)
@@ -642,7 +642,8 @@ class ParallelTransformerBlock(Module):
     into the seed; see `fold_seeds`).
 
     Call: ``block(params, x, *, mask=None, key_mask=None, is_causal=False,
-    is_training=True)``.
+    is_training=True)``; the masks as in `ParallelMultiHeadAttention` (a 3-D ``mask`` is
+    ``(B, T, S)``, shared by the heads).
 
     >>> import jax.numpy as jnp, blox as bx
     >>> from blox import parallel as bp

@@ -16,6 +16,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from blox.core import Param, Params
+from blox.core._errors import BloxKeyError
 from blox.core._params import Path, format_path
 
 __all__ = ["ema_init", "ema_params", "ema_update"]
@@ -125,7 +126,7 @@ def _compute_dtype(dtype: Any) -> Any:
 def _pairs(params: Params, pre: tuple[str, ...], where: str) -> tuple[Params, Params, list[Path]]:
     ema, rest = params.split(_is_ema(pre))
     if not len(ema):
-        raise KeyError(
+        raise BloxKeyError(
             f"{where}: no EMA params under '{format_path(pre)}'. Create them once after "
             "initialization: params = bx.ema_init(params)."
         )
@@ -133,7 +134,7 @@ def _pairs(params: Params, pre: tuple[str, ...], where: str) -> tuple[Params, Pa
     sources = [k[n:] for k in ema.keys()]
     missing = [format_path(s) for s in sources if s not in rest]
     if missing:
-        raise KeyError(
+        raise BloxKeyError(
             f"{where}: EMA copies without a source weight: {missing[:3]}; the model's params "
             "changed after ema_init. Re-run ema_init on the new params."
         )

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Protocol, TextIO
 
+from blox.core._errors import BloxKeyError
+
 __all__ = ["CSVLogger", "History", "Logger", "StdoutLogger", "TensorBoardLogger", "plot_history"]
 
 _EXTRA = "pip install 'blox[train]'"
@@ -56,7 +58,7 @@ class History:
     def __getitem__(self, key: str) -> list[float]:
         """The values of `key`, over the rows that logged it."""
         if key not in self.keys():
-            raise KeyError(f"History has no metric {key!r}; logged: {self.keys()}.")
+            raise BloxKeyError(f"History has no metric {key!r}; logged: {self.keys()}.")
         return [row[key] for row in self.rows if key in row]
 
     def series(self, key: str, x: str = "epoch") -> tuple[list[float], list[float]]:
@@ -115,24 +117,91 @@ class StdoutLogger:
 class CSVLogger:
     """Writes all rows to a CSV file, one column per metric (union of all rows' keys).
 
-    The file is rewritten at each row (rows are per epoch, so this is cheap), so columns
-    that appear later (e.g. the first evaluation) get a header and earlier rows an empty
-    cell.
+    The file is rewritten at each row (rows are per epoch, so this is cheap; it goes to a
+    temporary file first, so the CSV is complete after every row), so columns that appear
+    later (e.g. the first evaluation) get a header and earlier rows an empty cell.
+
+    A run resumed by `blox.ckpt.CheckpointCallback` continues its CSV with
+    ``append=True``: the rows already in the file are kept and the new rows follow.
+    The file's rows from the first logged epoch on (by ``'epoch'``, else by ``'step'``)
+    are dropped, since the resumed run logs those epochs again (a checkpoint older than
+    the last row). The first new row must fit the file's header: its columns a subset of
+    the header (an epoch without evaluation) or a superset (the first evaluation after
+    resuming, a new column); a row and a header that each have a column the other lacks
+    mean another run's file, and raise. Without the file, ``append=True`` starts it.
 
     Args:
       path: the ``.csv`` file (its folder is created).
+      append: keep the rows of an existing file at `path` (default False: the file is
+        overwritten by this run's rows).
+
+    Example::
+
+        logger = bx.CSVLogger('runs/a/metrics.csv', append=True)  # same line on resume
+        bx.fit(step, params, opt_state, batches, epochs=10, loggers=[logger],
+               callbacks=[bx.ckpt.CheckpointCallback(mngr)])
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, append: bool = False):
+        if not isinstance(append, bool):
+            raise TypeError(f"CSVLogger: append must be a bool, got {append!r}.")
         self.path = os.fspath(path)
-        self.rows: list[dict[str, float]] = []
+        self.append = append
+        self.rows: list[dict[str, Any]] = []
+        # The existing file's header: the column order kept, and checked by the first row.
+        self._header: list[str] = []
+        self._check_first = False
+        if append and os.path.isfile(self.path):
+            self._header, self.rows = self._read()
+            self._check_first = bool(self._header)
+
+    def _read(self) -> tuple[list[str], list[dict[str, Any]]]:
+        with open(self.path, newline="") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames
+            rows = list(reader)
+        if header is None:  # an empty file
+            return [], []
+        for i, row in enumerate(rows):
+            if None in row or None in row.values():
+                raise ValueError(
+                    f"CSVLogger: '{self.path}' line {i + 2} does not have the "
+                    f"{len(header)} cells of its header {list(header)}, so it is not a CSV "
+                    "this logger wrote. Pass another path, or append=False to overwrite it."
+                )
+        return list(header), rows
+
+    def _continue(self, row: dict[str, Any]) -> None:
+        """Checks the first new row against the file's header; drops the rows it redoes."""
+        self._check_first = False
+        new, old = set(row), set(self._header)
+        if not (new <= old or old <= new):
+            raise ValueError(
+                f"CSVLogger: '{self.path}' has the columns {self._header}, but this run logs "
+                f"{list(row)}: {sorted(new - old)} are not in the file and "
+                f"{sorted(old - new)} are only in the file, so it holds another run's "
+                "metrics. append=True continues the CSV of the same run (resumed); write "
+                "this run to another path, or pass append=False to overwrite the file."
+            )
+        key = "epoch" if "epoch" in new and "epoch" in old else "step"
+
+        def before(r: dict[str, Any]) -> bool:
+            try:
+                return float(r[key]) < float(row[key])
+            except (TypeError, ValueError):
+                return True  # an empty or non-numeric cell: kept
+
+        self.rows = [r for r in self.rows if before(r)]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Adds a row and rewrites the file."""
-        self.rows.append({"step": step, **metrics})
-        keys: dict[str, None] = {}
-        for row in self.rows:
-            keys.update(dict.fromkeys(row))
+        row = {"step": step, **metrics}
+        if self._check_first:
+            self._continue(row)
+        self.rows.append(row)
+        keys: dict[str, None] = dict.fromkeys(self._header)
+        for r in self.rows:
+            keys.update(dict.fromkeys(r))
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         tmp = self.path + ".tmp"
         with open(tmp, "w", newline="") as f:

@@ -395,8 +395,14 @@ def test_kv_cache_errors_and_overflow():
     attn = bx.MultiHeadAttention(g / "attn", 4, 2, rng)
     x = jnp.ones((1, 3, 4))
     _, params = attn(params, x)
-    with pytest.raises(KeyError, match=r"'net/attn': decode=True needs a KV cache"):
+    with pytest.raises(KeyError, match=r"'net/attn': decode=True needs a KV cache") as info:
         attn(params, x, decode=True)
+    # A BloxKeyError: still a KeyError, printed as written (real newlines, no quotes).
+    msg = str(info.value)
+    assert "\n    params = model.init_cache(params, batch_size, max_length)\n" in msg
+    assert not msg.startswith(("'", '"')) and "\\n" not in msg
+    with pytest.raises(KeyError, match=r"needs a KV cache in params, and there is none"):
+        attn.cache_index(params)
     params = attn.init_cache(params, 1, 4)
     _, p1 = attn(params, x, decode=True)
     with pytest.raises(

@@ -11,6 +11,7 @@ both layouts) live in ``test_conv_torch.py``.
 from __future__ import annotations
 
 import functools
+import re
 
 import chex
 import jax
@@ -599,3 +600,73 @@ def test_changed_input_channels_name_both_kernel_shapes():
     # The classic layout slip: NCHW data into a channels-last layer.
     with pytest.raises(ValueError, match=r"needs \(3, 3, 5, 4\) .*channels_first"):
         layer(params, jnp.ones((1, 3, 5, 5)))
+
+
+def _store_kernel(params, name, value):
+    """Stores `value` as the kernel, as a script that copies weights from PyTorch does."""
+    params = params.unlocked()
+    params[("net", name, "kernel")] = bx.Param(jnp.asarray(value))
+    return params
+
+
+def test_stored_kernel_in_pytorch_layout_is_blamed_with_the_permute():
+    x = _normal((2, 6, 5, 4))
+    layer, params = _init(lambda g, r: Conv(g / "conv", (3, 2), 6, r, padding="VALID"), x)
+    # torch.nn.Conv2d(4, 6, (3, 2)).weight: (C_out, C_in, kh, kw), copied without permute.
+    weight = np.random.default_rng(1).standard_normal((6, 4, 3, 2)).astype(np.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"Parameter 'net/conv/kernel' is stored with shape \(6, 4, 3, 2\), but Conv "
+        r"'net/conv' expects \(3, 2, 4, 6\) = \(\*kernel_size, C_in // G, C_out\) for input "
+        r"shape \(2, 6, 5, 4\)\. The stored value is in PyTorch's layout \(C_out, C_in // G, "
+        r"\*kernel_size\): store kernel = weight\.permute\(2, 3, 1, 0\)",
+    ) as info:
+        layer(_store_kernel(params, "conv", weight), x)
+    assert "Fix the input" not in str(info.value)
+    # The advice is right: the permuted weight computes PyTorch's convolution, written here
+    # with lax in PyTorch's own kernel layout (OIHW).
+    y, _ = layer(_store_kernel(params, "conv", weight.transpose(2, 3, 1, 0)), x)
+    ref = lax.conv_general_dilated(
+        x, jnp.asarray(weight), (1, 1), "VALID", dimension_numbers=("NHWC", "OIHW", "NHWC")
+    )
+    np.testing.assert_allclose(y, ref + _bias(params)[None, None, None], **tol("float32"))
+    # A square kernel in PyTorch's layout is the expected shape reversed: still the permute
+    # (weight.T would also swap kh and kw), for a 1-D conv too.
+    x1 = _normal((2, 7, 4))
+    layer1, params1 = _init(lambda g, r: Conv(g / "conv", 3, 5, r), x1)
+    with pytest.raises(
+        ValueError, match=r"stored with shape \(5, 4, 3\).*weight\.permute\(2, 1, 0\)"
+    ):
+        layer1(_store_kernel(params1, "conv", np.zeros((5, 4, 3), np.float32)), x1)
+    # Another kernel size or output count: the stored value is blamed, not the input.
+    for bad in [(3, 3, 4, 6), (3, 2, 4, 5), (3, 2, 4, 6, 1)]:
+        with pytest.raises(
+            ValueError,
+            match=rf"'net/conv/kernel' is stored with shape {re.escape(str(bad))}, but Conv "
+            r"'net/conv' expects \(3, 2, 4, 6\).*Replace the stored value",
+        ):
+            layer(_store_kernel(params, "conv", np.zeros(bad, np.float32)), x)
+
+
+@pytest.mark.parametrize("transpose_kernel", [False, True])
+def test_stored_conv_transpose_kernel_in_pytorch_layout_is_blamed(transpose_kernel):
+    x = _normal((1, 4, 4, 6))
+    layer, params = _init(
+        lambda g, r: ConvT(
+            g / "conv", (3, 2), 4, r, feature_group_count=2, transpose_kernel=transpose_kernel
+        ),
+        x,
+    )
+    # torch.nn.ConvTranspose2d(6, 4, (3, 2), groups=2).weight: (C_in, C_out // G, kh, kw).
+    expected = r"\(3, 2, 2, 6\)" if transpose_kernel else r"\(3, 2, 4, 3\)"
+    fix = r"\." if transpose_kernel else r" and construct the layer with transpose_kernel=True"
+    with pytest.raises(
+        ValueError,
+        match=r"Parameter 'net/conv/kernel' is stored with shape \(6, 2, 3, 2\), but "
+        rf"ConvTranspose 'net/conv' expects {expected} = .* The stored value is in PyTorch's "
+        r"layout \(C_in, C_out // G, \*kernel_size\): store kernel = "
+        r"weight\.permute\(2, 3, 1, 0\)" + fix,
+    ):
+        layer(_store_kernel(params, "conv", np.zeros((6, 2, 3, 2), np.float32)), x)
+    with pytest.raises(ValueError, match=r"stored with shape \(3, 2, 5, 6\).*Replace the stored"):
+        layer(_store_kernel(params, "conv", np.zeros((3, 2, 5, 6), np.float32)), x)

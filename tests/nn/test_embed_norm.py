@@ -112,6 +112,43 @@ def test_embed_errors():
         bx.Embed(g / "bad", 10, 0, rng)
 
 
+def _stored(params: bx.Params, path: tuple, shape: tuple) -> bx.Params:
+    """Stores a zero array of `shape` at `path`, as a script that copies weights does."""
+    params = params.unlocked()
+    params[path] = bx.Param(jnp.zeros(shape, jnp.float32))
+    return params
+
+
+def test_embed_blames_a_stored_table_of_the_wrong_shape_not_the_input():
+    g, rng, params = _seeded()
+    embed = bx.Embed(g / "embed", 10, 4, rng)
+    _, params = embed(params, jnp.array([1, 2]))
+    path = ("net", "embed", "embedding")
+    # A (D, V) table (e.g. a tied output projection kernel copied as the table).
+    p = _stored(params, path, (4, 10))
+    head = (
+        r"Parameter 'net/embed/embedding' is stored with shape \(4, 10\), but Embed "
+        r"'net/embed' expects \(10, 4\) = \(V, D\) for num_embeddings=10, embedding_size=4\. "
+    )
+    for call in (
+        lambda: embed(p, jnp.array([1])),
+        lambda: embed.attend(p, jnp.ones((2, 4))),
+        # An input shaped for the wrong table: the table is still what is blamed.
+        lambda: embed.attend(p, jnp.ones((2, 10))),
+    ):
+        with pytest.raises(ValueError, match=head + r"The stored value is transposed") as info:
+            call()
+        assert "Project the input" not in str(info.value)
+    # A table of another embedding size: blamed without the transpose hint.
+    p = _stored(params, path, (10, 6))
+    with pytest.raises(
+        ValueError,
+        match=r"'net/embed/embedding' is stored with shape \(10, 6\), but Embed 'net/embed' "
+        r"expects \(10, 4\).*Replace the stored value",
+    ):
+        embed.attend(p, jnp.ones((2, 6)))
+
+
 # ---------------------------------------------------------------------------
 # LayerNorm / RMSNorm
 # ---------------------------------------------------------------------------
@@ -432,5 +469,26 @@ def test_learned_positional_embedding_adds_rows_and_checks_length():
         r"\(1, 7, 3\)\) but the table holds max_length = 6",
     ):
         pos(params, jnp.ones((1, 7, 3)))
-    with pytest.raises(ValueError, match=r"expects inputs of shape \(\.\.\., 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"LearnedPositionalEmbedding 'net/pos' expects inputs of shape \(\.\.\., 3\) "
+        r"\(embedding \(6, 3\) = \(L, D\)\), got \(1, 2, 5\)\. Fix the input's last dimension",
+    ):
         pos(params, jnp.ones((1, 2, 5)))
+    # A stored table of the wrong shape is blamed, not the input: transposed (D, L) ...
+    path = ("net", "pos", "embedding")
+    with pytest.raises(
+        ValueError,
+        match=r"Parameter 'net/pos/embedding' is stored with shape \(3, 6\), but "
+        r"LearnedPositionalEmbedding 'net/pos' expects \(6, 3\) = \(L, D\) for max_length=6 "
+        r"and input shape \(2, 4, 3\)\. The stored value is transposed",
+    ) as info:
+        pos(_stored(params, path, (3, 6)), jnp.asarray(x))
+    assert "Fix the input" not in str(info.value)
+    # ... or made for another max_length (also with explicit positions).
+    with pytest.raises(
+        ValueError,
+        match=r"'net/pos/embedding' is stored with shape \(8, 3\), but LearnedPositionalEmbedding "
+        r"'net/pos' expects \(6, 3\).*Replace the stored value",
+    ):
+        pos(_stored(params, path, (8, 3)), jnp.asarray(x), jnp.arange(4))

@@ -167,6 +167,60 @@ def test_attention_heads_split_with_gqa_and_masks(heads, kv, model, shard_kv):
         _check(ref, params, x, kw, y, grads, cot)
 
 
+def test_attention_masks_by_rank_as_multi_head_attention_on_2x4():
+    """A 3-D mask is (B, T, S), shared by the heads, as in bx.MultiHeadAttention, also when
+    B == N (it was read as per-head (1, N, T, S)); a 4-D mask is per head, each device
+    keeping its own heads. Masks are sharded over the data axis like x."""
+    x = _x(4)
+    assert B == N  # the case where a rank-blind reader mistakes sequences for heads
+    lengths = np.array([6, 2, 5, 3])
+    pad = np.arange(T)[None, None, :] < lengths[:, None, None]  # (B, 1, S)
+    mask3 = jnp.asarray(np.broadcast_to(pad, (B, T, T)))  # (B, T, S) padding mask
+    per_head = np.random.default_rng(5).random((B, N, T, T)) < 0.6
+    mask4 = jnp.asarray(per_head | np.eye(T, dtype=bool))  # (B, N, T, S), no empty row
+    ref, tp, params, _ = _pair(
+        lambda g, r: bx.MultiHeadAttention(g, model_size=D, num_heads=N, rng=r),
+        lambda g, r: bp.ParallelMultiHeadAttention(g, model_size=D, num_heads=N, rng=r),
+        x,
+        name="attn",
+    )
+    mesh = bp.make_mesh((2, 4), ("data", "model"))
+    specs = bp.param_specs(params, RULES, mesh)
+    ps = jax.device_put(params, bp.param_shardings(params, RULES, mesh))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))  # noqa: E731
+    f = jax.jit(
+        jax.shard_map(
+            lambda p, x, m: tp(p, x, mask=m, is_training=False)[0],
+            mesh=mesh,
+            in_specs=(specs, P("data"), P("data")),
+            out_specs=P("data"),
+        )
+    )
+    with jax.default_matmul_precision("highest"):
+        for mask in (mask3, mask4):
+            want = ref(params, x, mask=mask, is_training=False)[0]
+            y = f(ps, put(x), put(mask))
+            np.testing.assert_allclose(np.asarray(y), np.asarray(want), **F32)
+            # Unsharded (no shard_map): the same reading.
+            y1 = tp(params, x, mask=mask, is_training=False)[0]
+            np.testing.assert_allclose(np.asarray(y1), np.asarray(want), **F32)
+    # The padding mask really is (B, T, S): it equals the key_mask of the same lengths.
+    key_mask = jnp.asarray(pad[:, 0])
+    np.testing.assert_allclose(
+        np.asarray(tp(params, x, key_mask=key_mask, is_training=False)[0]),
+        np.asarray(tp(params, x, mask=mask3, is_training=False)[0]),
+        **F32,
+    )
+    for bad in (jnp.ones((T,), bool), jnp.ones((N, T, T + 1), bool), jnp.ones((3, T, T), bool)):
+        with pytest.raises(
+            ValueError,
+            match=rf"'net/attn': mask of shape {re.escape(str(tuple(bad.shape)))} does not "
+            r"match \(T, S\) = \(6, 6\), \(B, T, S\) = \(4, 6, 6\) or \(B, N, T, S\) = "
+            r"\(4, 4, 6, 6\).*a 3-D mask is \(B, T, S\), shared by the heads",
+        ):
+            tp(params, x, mask=bad, is_training=False)
+
+
 def test_dropout_in_tp_block_equals_unsharded_with_the_same_keys():
     x = _x(2)
     ref, tp, params, _ = _block_pair(x, dropout_rate=0.2, attention_dropout_rate=0.3)
