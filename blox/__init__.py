@@ -19,6 +19,7 @@ from blox import distributed as distributed
 from blox import nn as nn
 from blox import parallel as parallel
 from blox import train as train
+from blox import ts as ts
 from blox.core import Graph as Graph
 from blox.core import Module as Module
 from blox.core import Param as Param

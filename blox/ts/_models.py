@@ -1,0 +1,306 @@
+"""System-identification models with internal normalization: the shared base and `RNNModel`.
+
+Every model takes raw physical inputs ``u`` ``[B, T, Cu]`` and returns raw outputs ``y``
+``[B, T, Cy]``: a `blox.data.Normalize` for ``u`` and one for ``y`` hold the training
+statistics as non-trainable params. Two calls are common to all of them:
+
+- ``model.forward(params, u, y, prev_state=None, is_reset=None)`` -> ``((y_hat, state),
+  params)``: what the training loss sees (teacher forcing for the autoregressive model,
+  the encoder's window for the encoder model; other models ignore ``y``);
+- ``model.simulate(params, u, y)`` -> ``(y_hat, params)``: free-run simulation over a whole
+  sequence (measured ``y`` only where the model is allowed to see it: the warm-up of the
+  autoregressive model, the encoder's window).
+
+``model.n_skip`` leading steps are warm-up, excluded from losses and metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from blox.core import Graph, Module, Params, Rng
+from blox.data import Normalize
+from blox.nn import GRU, LSTM, Linear, SimpleRNN
+
+__all__ = ["RNNModel", "SysIdModel"]
+
+_CELLS = {"gru": GRU, "lstm": LSTM, "rnn": SimpleRNN}
+
+
+def _stats(where: str, name: str, stats: Any) -> tuple[Any, Any]:
+    """``ChannelStats`` (anything with ``.mean``/``.std``) or a ``(mean, std)`` pair."""
+    if hasattr(stats, "mean") and hasattr(stats, "std") and not hasattr(stats, "shape"):
+        return stats.mean, stats.std
+    if isinstance(stats, tuple | list) and len(stats) == 2:
+        return stats[0], stats[1]
+    raise TypeError(
+        f"{where}: {name} must be a ChannelStats (from blox.data.channel_stats(train)['"
+        f"{name[0]}']) or a (mean, std) pair, got {type(stats).__name__}."
+    )
+
+
+def check_sequence(where: str, name: str, x: ArrayLike, channels: int) -> jax.Array:
+    """``x`` as an array ``[B, T, channels]``; a ``ValueError`` saying what to pass else."""
+    a = jnp.asarray(x)
+    if a.ndim != 3 or a.shape[-1] != channels:
+        raise ValueError(
+            f"{where}: {name} must be [B, T, {channels}] (batch, time, channels; the model "
+            f"was built for {channels} {name} channel(s)), got shape {tuple(a.shape)}. A "
+            f"single recording [T, {channels}] is x[None]."
+        )
+    return a
+
+
+def check_n_skip(where: str, n_skip: Any) -> int:
+    if isinstance(n_skip, bool) or not isinstance(n_skip, int) or n_skip < 0:
+        raise ValueError(f"{where}: n_skip must be a non-negative int, got {n_skip!r}.")
+    return n_skip
+
+
+class SysIdModel(Module):
+    """Base class of the `blox.ts` models: internal normalization, ``n_skip``, and the
+    ``forward`` / ``simulate`` / ``initial_state`` calls the recipes use.
+
+    Args:
+      graph: this model's node.
+      u_stats: input statistics: a `blox.data.ChannelStats` or a ``(mean, std)`` pair of
+        ``(Cu,)`` arrays.
+      y_stats: output statistics, the same for ``(Cy,)``.
+      n_skip: warm-up steps excluded from losses and metrics.
+      dtype: compute dtype (default: the input dtype promoted with float32).
+      param_dtype: dtype of the parameters and statistics.
+
+    Parameters: ``<path>/u_norm/{mean,std}`` ``(Cu,)`` and ``<path>/y_norm/{mean,std}``
+    ``(Cy,)``, non-trainable.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        u_stats: Any,
+        y_stats: Any,
+        *,
+        n_skip: int = 0,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(graph)
+        where = f"{type(self).__name__} '{self.path_str}'"
+        self.u_norm = Normalize(
+            graph / "u_norm", *_stats(where, "u_stats", u_stats), dtype=dtype,
+            param_dtype=param_dtype,
+        )  # fmt: skip
+        self.y_norm = Normalize(
+            graph / "y_norm", *_stats(where, "y_stats", y_stats), dtype=dtype,
+            param_dtype=param_dtype,
+        )  # fmt: skip
+        self.num_inputs = self.u_norm.num_channels
+        self.num_outputs = self.y_norm.num_channels
+        self.n_skip = check_n_skip(where, n_skip)
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+
+    @property
+    def _where(self) -> str:
+        return f"{type(self).__name__} '{self.path_str}'"
+
+    def _u(self, u: ArrayLike) -> jax.Array:
+        return check_sequence(self._where, "u", u, self.num_inputs)
+
+    def _y(self, y: ArrayLike) -> jax.Array:
+        return check_sequence(self._where, "y", y, self.num_outputs)
+
+    def initial_state(self, params: Params, u_t: ArrayLike) -> tuple[Any, Params]:
+        """``(state, params)``: the state before the first step, for one step's inputs
+        ``u_t`` ``[B, Cu]`` (``None`` for stateless models)."""
+        return None, params
+
+    def forward(
+        self,
+        params: Params,
+        u: ArrayLike,
+        y: ArrayLike | None = None,
+        prev_state: Any = None,
+        is_reset: ArrayLike | None = None,
+    ) -> tuple[tuple[jax.Array, Any], Params]:
+        """The outputs the training loss sees: ``((y_hat [B, T, Cy], state), params)``.
+        This model ignores ``y``."""
+        return self(params, u, prev_state, is_reset)
+
+    def simulate(
+        self, params: Params, u: ArrayLike, y: ArrayLike | None = None
+    ) -> tuple[jax.Array, Params]:
+        """Free-run simulation from raw ``u`` ``[B, T, Cu]``: ``(y_hat [B, T, Cy],
+        params)``. This model ignores ``y``."""
+        (y_hat, _), params = self(params, u)
+        return y_hat, params
+
+
+class RNNStack(Module):
+    """Stacked recurrent layers (GRU, LSTM or simple RNN), each feeding the next.
+
+    Shapes: ``[B, T, F]`` -> ``[B, T, H]``; the state is a tuple with one layer state
+    per layer. Parameters: ``<path>/layer_<i>/...`` as the chosen cell.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        hidden_size: int,
+        rng: Rng | None,
+        *,
+        num_layers: int = 1,
+        cell: str = "gru",
+        is_static: bool = False,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(graph)
+        if cell not in _CELLS:
+            raise ValueError(
+                f"'{self.path_str}': cell must be one of {sorted(_CELLS)}, got {cell!r}."
+            )
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(
+                f"'{self.path_str}': num_layers must be a positive int, got {num_layers!r}."
+            )
+        self.cell = cell
+        self.hidden_size = hidden_size
+        self.layers = [
+            _CELLS[cell](
+                graph / f"layer_{i}",
+                hidden_size=hidden_size,
+                rng=rng,
+                is_static=is_static,
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
+            for i in range(num_layers)
+        ]
+
+    def initial_state(self, params: Params, x_t: jax.Array) -> tuple[tuple, Params]:
+        states = []
+        for layer in self.layers:
+            s, params = layer.initial_state(params, x_t)
+            states.append(s)
+        return tuple(states), params
+
+    def __call__(self, params, x, prev_state=None, is_reset=None):
+        """Whole sequence: ``x`` ``[B, T, F]`` -> ``((h [B, T, H], states), params)``."""
+        states = []
+        for i, layer in enumerate(self.layers):
+            prev = None if prev_state is None else prev_state[i]
+            (x, s), params = layer.apply(params, x, prev_state=prev, is_reset=is_reset)
+            states.append(s)
+        return (x, tuple(states)), params
+
+    def step(self, params, x_t, state):
+        """One step: ``x_t`` ``[B, F]`` -> ``((h_t [B, H], states), params)``."""
+        states = []
+        for layer, s in zip(self.layers, state, strict=True):
+            (x_t, s), params = layer(params, x_t, s)
+            states.append(s)
+        return (x_t, tuple(states)), params
+
+
+class RNNModel(SysIdModel):
+    """A recurrent simulation model: raw ``u`` in, raw ``y`` out (GRU, LSTM or RNN).
+
+    Legend: B batch, T time, Cu input channels, Cy output channels, H ``hidden_size``.
+
+    ``y = denorm(head(rnn(norm(u))) + skip(norm(u)))``: the input normalized with the
+    stored statistics, `num_layers` stacked recurrent layers, a linear head, an optional
+    linear skip from the normalized input to the output, and the output denormalized.
+
+    Args:
+      graph: this model's node.
+      u_stats, y_stats: the training statistics (see `SysIdModel`).
+      rng: the `Rng` for initialization.
+      hidden_size: H.
+      num_layers: stacked recurrent layers.
+      cell: ``'gru'``, ``'lstm'`` or ``'rnn'`` (`blox.nn.GRU`, `LSTM`, `SimpleRNN`).
+      linear_skip: add a linear map of the normalized input to the output.
+      n_skip: warm-up steps excluded from the loss (the state is still building up).
+      is_static: Python-loop scan instead of ``lax.scan`` (same numbers).
+      dtype, param_dtype: see `SysIdModel`; the recurrent state has the compute dtype.
+
+    Returns (``model(params, u, prev_state=None, is_reset=None)``):
+      ``((y [B, T, Cy], state), params)``; ``state`` is a tuple of layer states to carry
+      into the next chunk (truncated BPTT); ``is_reset`` ``[B, T]`` resets rows to zeros.
+
+    Parameters: the normalizers (see `SysIdModel`), ``<path>/rnn/layer_<i>/...``
+    (the cell's parameters), ``<path>/head/{kernel,bias}`` ``(H, Cy)``, ``(Cy,)`` and with
+    `linear_skip` ``<path>/skip/kernel`` ``(Cu, Cy)``.
+
+    >>> import blox as bx, jax.numpy as jnp
+    >>> from blox.ts import RNNModel
+    >>> g = bx.Graph('m'); rng = bx.Rng(g / 'rng')
+    >>> model = RNNModel(g / 'gru', ([0.0], [2.0]), ([1.0, 0.0], [1.0, 3.0]), rng,
+    ...                  hidden_size=8, linear_skip=True, n_skip=5)
+    >>> (y, state), params = model(rng.seed(bx.Params(), seed=0), jnp.ones((4, 20, 1)))
+    >>> y.shape, state[0].hidden.shape
+    ((4, 20, 2), (4, 8))
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        u_stats: Any,
+        y_stats: Any,
+        rng: Rng | None,
+        *,
+        hidden_size: int = 64,
+        num_layers: int = 1,
+        cell: str = "gru",
+        linear_skip: bool = False,
+        n_skip: int = 0,
+        is_static: bool = False,
+        dtype: Any | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        super().__init__(
+            graph, u_stats, y_stats, n_skip=n_skip, dtype=dtype, param_dtype=param_dtype
+        )
+        self.rnn = RNNStack(
+            graph / "rnn",
+            hidden_size,
+            rng,
+            num_layers=num_layers,
+            cell=cell,
+            is_static=is_static,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
+        common = dict(dtype=dtype, param_dtype=param_dtype)
+        self.head = Linear(graph / "head", self.num_outputs, rng, **common)
+        self.skip = (
+            Linear(graph / "skip", self.num_outputs, rng, use_bias=False, **common)
+            if linear_skip
+            else None
+        )
+
+    def initial_state(self, params: Params, u_t: ArrayLike) -> tuple[Any, Params]:
+        """``(state, params)``: zeros for every layer, for ``u_t`` ``[B, Cu]``."""
+        z, params = self.u_norm(params, jnp.asarray(u_t))
+        return self.rnn.initial_state(params, z)
+
+    def __call__(
+        self,
+        params: Params,
+        u: ArrayLike,
+        prev_state: Any = None,
+        is_reset: ArrayLike | None = None,
+    ) -> tuple[tuple[jax.Array, Any], Params]:
+        """Raw ``u`` ``[B, T, Cu]`` -> ``((y [B, T, Cy], state), params)``."""
+        z, params = self.u_norm(params, self._u(u))
+        (h, state), params = self.rnn(params, z, prev_state, is_reset)
+        out, params = self.head(params, h)
+        if self.skip is not None:
+            s, params = self.skip(params, z)
+            out = out + s.astype(out.dtype)
+        y, params = self.y_norm.denormalize(params, out)
+        return (y, state), params

@@ -1,0 +1,193 @@
+"""blox.ts recipes and evaluation: TBPTT with carried state vs one long unroll, the loss over
+TBPTT chunks vs whole windows, noise/bias injection, training, early stopping, metrics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import blox as bx
+from blox.data import WindowedSource, channel_stats, pipeline
+from blox.ts import (
+    ARModel,
+    RNNModel,
+    evaluate_free_run,
+    fit_sysid,
+    free_run,
+    inject_noise,
+    make_dataset,
+    make_sysid_step,
+    plot_simulation,
+    read_recordings,
+    sysid_loss,
+    sysid_metrics,
+)
+
+U_STATS = ([0.0], [1.0])
+Y_STATS = ([0.0], [1.0])
+
+
+def _model(kind, n_skip=0):
+    g = bx.Graph("m")
+    rng = bx.Rng(g / "rng")
+    if kind == "ar":
+        model = ARModel(g / kind, U_STATS, Y_STATS, rng, hidden_size=6, n_skip=n_skip)
+    else:
+        model = RNNModel(g / kind, U_STATS, Y_STATS, rng, hidden_size=6, num_layers=2,
+                         cell=kind, n_skip=n_skip)  # fmt: skip
+    return model, rng
+
+
+@pytest.mark.parametrize("kind", ["lstm", "ar"])
+def test_tbptt_with_carried_state_equals_one_long_unroll(kind):
+    model, rng = _model(kind)
+    gen = np.random.default_rng(0)
+    u = gen.normal(size=(2, 24, 1)).astype(np.float32)
+    y = gen.normal(size=(2, 24, 1)).astype(np.float32)
+    params = rng.seed(bx.Params(), seed=0)
+    (whole, _), params = model.forward(params, u, y)
+    params = params.locked()
+    (whole, _), _ = model.forward(params, u, y)
+    state, parts = None, []
+    for k in range(3):
+        sl = slice(8 * k, 8 * (k + 1))
+        (out, state), _ = model.forward(params, u[:, sl], y[:, sl], state)
+        parts.append(out)
+    np.testing.assert_allclose(np.concatenate(parts, 1), whole, rtol=1e-5, atol=1e-6)
+    # A reset at a chunk start equals starting afresh there.
+    reset = np.zeros((2, 8), bool)
+    reset[:, 0] = True
+    (again, _), _ = model.forward(params, u[:, 8:16], y[:, 8:16], state, reset)
+    (fresh, _), _ = model.forward(params, u[:, 8:16], y[:, 8:16])
+    np.testing.assert_allclose(again, fresh, rtol=1e-6, atol=1e-6)
+
+
+def test_tbptt_pipeline_loss_equals_the_whole_window_loss(tmp_path):
+    files = make_dataset("discrete", tmp_path, seed=0, size="tiny")
+    src = WindowedSource(files.train, {"u": "u", "y": "y"}, window=24, stride=24)
+    model, rng = _model("gru", n_skip=5)
+    whole = next(iter(pipeline(src, batch_size=4, drop_remainder=True)))
+    params = rng.seed(bx.Params(), seed=0)
+    _, params = model(params, whole["u"])
+    params = params.locked()
+    (ref, _), _ = sysid_loss(model, params, whole)
+    it = iter(pipeline(src, batch_size=4, tbptt_chunk=8, drop_remainder=True))
+    state, _ = model.initial_state(params, whole["u"][:, 0])
+    total = count = 0.0
+    for k in range(3):
+        chunk = next(it)
+        assert chunk["is_first"].tolist() == [k == 0] * 4
+        np.testing.assert_array_equal(chunk["u"], whole["u"][:, 8 * k : 8 * (k + 1)])
+        (loss, state), _ = sysid_loss(model, params, chunk, state)
+        steps = 8 - (5 if k == 0 else 0)  # n_skip only in the first chunk
+        total, count = total + float(loss) * steps, count + steps
+    np.testing.assert_allclose(total / count, float(ref), rtol=1e-5)
+
+
+def test_inject_noise_levels_and_shapes():
+    u = jnp.zeros((64, 200, 2))
+    std = jnp.array([1.0, 10.0])
+    key = jax.random.key(0)
+    noisy = inject_noise(key, u, std, noise=0.5)
+    z = np.asarray(noisy) / np.asarray(std)
+    np.testing.assert_allclose(z.std(axis=(0, 1)), [0.5, 0.5], rtol=0.02)
+    biased = np.asarray(inject_noise(key, u, std, bias=0.3)) / np.asarray(std)
+    np.testing.assert_allclose(biased, np.broadcast_to(biased[:, :1], biased.shape))
+    np.testing.assert_allclose(biased[:, 0].std(axis=0), [0.3, 0.3], rtol=0.25)
+    np.testing.assert_array_equal(inject_noise(key, u, std, noise=0.5), noisy)  # by key
+    with pytest.raises(ValueError, match=r"u must be \[B, T, C\]"):
+        inject_noise(key, u[0], std, noise=0.1)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        inject_noise(key, u, std, noise=-1.0)
+
+
+def test_loss_errors():
+    model, rng = _model("gru", n_skip=5)
+    u = jnp.zeros((1, 4, 1))
+    params = rng.seed(bx.Params(), seed=0)
+    with pytest.raises(ValueError, match="need a PRNG key"):
+        sysid_loss(model, params, {"u": u, "y": u}, noise=0.1)
+    with pytest.raises(ValueError, match="loss must be one of"):
+        sysid_loss(model, params, {"u": u, "y": u}, loss="huber")
+    with pytest.raises(ValueError, match="n_skip=5 .* skips all 4 steps"):
+        sysid_loss(model, params, {"u": u, "y": u})
+    with pytest.raises(ValueError, match="the batch needs 'y'"):
+        sysid_loss(model, params, {"u": u})
+
+
+@pytest.mark.standard_promotion
+def test_fit_learns_then_early_stopping_keeps_the_best(tmp_path):
+    files = make_dataset("discrete", tmp_path, seed=0, size="tiny")
+    src = WindowedSource(files.train, {"u": "u", "y": "y"}, window=40, stride=10)
+    stats = channel_stats(src)
+    valid = read_recordings(files.valid)
+    g = bx.Graph("m")
+    rng = bx.Rng(g / "rng")
+    model = RNNModel(g / "gru", stats["u"], stats["y"], rng, hidden_size=16, n_skip=5)
+    ds = pipeline(src, batch_size=8, shuffle=True, seed=0, num_epochs=None, drop_remainder=True)
+    params = rng.seed(bx.Params(), seed=0)
+    _, params = model(params, next(iter(ds))["u"])
+    params = params.locked()
+    seen = []
+    tx = optax.adam(1e-2)
+    fit = fit_sysid(model, params, tx, iter(ds), steps=30, valid=valid, eval_every=15,
+                    noise=0.05, on_step=lambda n, v: seen.append((n, v)))  # fmt: skip
+    assert [n for n, _ in seen] == list(range(1, 31)) and fit.steps == 30
+    assert np.mean(fit.losses[-5:]) < 0.75 * np.mean(fit.losses[:5])
+    assert len(fit.history) == 2 and [h["step"] for h in fit.history] == [15, 30]
+    # Gradient *ascent* makes validation worse after the first check: with patience 2
+    # training stops at the third check and keeps the params of the first.
+    worse = fit_sysid(model, fit.params, optax.sgd(-0.5), iter(ds), steps=100, valid=valid,
+                      eval_every=5, patience=2)  # fmt: skip
+    assert worse.steps == 15 and worse.best_step == 5
+    scores = [h["score"] for h in worse.history]
+    assert scores[0] == min(scores) and worse.best_score == scores[0]
+    again, _ = evaluate_free_run(model, worse.params, valid)
+    np.testing.assert_allclose(np.mean(again["nrmse"]), worse.best_score, rtol=1e-6)
+
+
+def test_make_sysid_step_returns_the_carried_state():
+    model, rng = _model("gru")
+    u = jnp.ones((2, 6, 1))
+    params = rng.seed(bx.Params(), seed=0)
+    _, params = model(params, u)
+    params = params.locked()
+    tx = optax.sgd(0.0)
+    state0, _ = model.initial_state(params, u[:, 0])
+    batch = {"u": u, "y": u, "is_first": np.array([True, False])}
+    _, _, state, metrics = jax.jit(make_sysid_step(model, tx))(
+        params, tx.init(params.split()[0]), state0, batch
+    )
+    (_, ref), _ = model(params, u, state0, jnp.zeros((2, 6), bool).at[:, 0].set(True))
+    np.testing.assert_allclose(state[1].hidden, ref[1].hidden, rtol=1e-5, atol=1e-6)
+    assert sorted(metrics) == ["loss"]
+
+
+def test_metrics_against_numpy_and_free_run_plot(tmp_path):
+    gen = np.random.default_rng(0)
+    y = gen.normal(size=(2, 50, 2)) * [1.0, 5.0] + [0.0, 3.0]
+    y_hat = y + gen.normal(size=y.shape) * 0.1
+    m = sysid_metrics(y_hat, y, n_skip=10)
+    e, t = (y_hat - y)[:, 10:].reshape(-1, 2), y[:, 10:].reshape(-1, 2)
+    rmse = np.sqrt((e**2).mean(0))
+    np.testing.assert_allclose(m["rmse"], rmse)
+    np.testing.assert_allclose(m["nrmse"], rmse / t.std(0))
+    fit = 100 * (1 - np.linalg.norm(e, axis=0) / np.linalg.norm(t - t.mean(0), axis=0))
+    np.testing.assert_allclose(m["fit"], fit)
+    with pytest.raises(ValueError, match="must have one shape"):
+        sysid_metrics(y_hat[:, :5], y)
+    with pytest.raises(ValueError, match=r"n_skip must be an int in \[0, T\)"):
+        sysid_metrics(y_hat, y, n_skip=50)
+    model, rng = _model("gru")
+    u = gen.normal(size=(30, 1)).astype(np.float32)
+    params = rng.seed(bx.Params(), seed=0)
+    _, params = model(params, u[None])
+    sim = free_run(model, params.locked(), u)  # one recording [T, C]
+    (ref, _), _ = model(params, u[None])
+    assert sim.shape == (30, 1)
+    np.testing.assert_allclose(sim, ref[0], rtol=1e-5, atol=1e-6)
+    path = plot_simulation(tmp_path / "sim.png", ref[0], sim, n_skip=5, title="t",
+                           others={"ARX": np.zeros((30, 1))})  # fmt: skip
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
