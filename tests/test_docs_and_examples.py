@@ -15,7 +15,10 @@ import blox.train
 from tests.scripts import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
-PUBLIC_MODULES = {"core": blox.core, "nn": blox.nn, "train": blox.train}
+PUBLIC_MODULES = {
+    name: getattr(blox, name)
+    for name in ("core", "nn", "train", "parallel", "data", "ckpt", "distributed", "ts")
+}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC_MODULES))
