@@ -430,7 +430,13 @@ def pipeline_value_and_grad(
         g_sh = lax.psum(g_sh, stage_axis)
         if data_axis is not None:
             loss, g, g_sh = lax.pmean((loss, g, g_sh), data_axis)
-            st, st_sh_out = lax.pmean((st, st_sh_out), data_axis)  # no-op unless data-dependent
+            # Floating state (e.g. running statistics) is averaged over the data shards;
+            # integer state (Rng seed and counter) advances identically on every shard and
+            # keeps its dtype (a pmean would turn uint32 into float32).
+            st, st_sh_out = jax.tree.map(
+                lambda v: lax.pmean(v, data_axis) if jnp.issubdtype(v.dtype, jnp.floating) else v,
+                (st, st_sh_out),
+            )
         g = jax.tree.map(lambda x: x[None], g)
         st = jax.tree.map(lambda x: x[None], st)
         return loss, (g, g_sh), (st, st_sh_out)

@@ -370,9 +370,14 @@ def test_data_x_pipeline_2d_mesh():
         )
     )
     with jax.default_matmul_precision("highest"):
-        loss, (g, g_sh), _ = step(stack_stages(stages), shared, x, y)
+        loss, (g, g_sh), new = step(stack_stages(stages), shared, x, y)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     _close(g_sh, ref_g[0], rtol=1e-5, atol=1e-6)
+    # Averaging the state over the data axis keeps integer leaves (Rng seed and counter,
+    # uint32) in their dtype: the step can be called again with what it returned.
+    old_dtypes = [v.dtype for v in jax.tree.leaves((stack_stages(stages), shared))]
+    assert [v.dtype for v in jax.tree.leaves(new)] == old_dtypes
+    assert jnp.dtype(jnp.uint32) in old_dtypes
     for s, gs in enumerate(unstack_stages(g)):
         _close(gs, ref_g[1][s], rtol=1e-5, atol=1e-6)
 

@@ -1,0 +1,44 @@
+"""Smoke test of ``examples/pipeline_lm.py`` at tiny size: GPipe, 1F1B (on a data 2 x
+stage 4 mesh) and the unpipelined one-device run print the same per-step losses (the
+example's contract), and each prints the compiled step's temp bytes once."""
+
+import re
+
+import numpy as np
+
+from tests.scripts import run_script
+
+STEP = re.compile(r"^step=(\d+) loss=(\S+)$", re.M)
+TEMP = re.compile(r"^temp_bytes=(\d+)$", re.M)
+
+
+def _run(*args: str) -> tuple[list[float], int]:
+    out = run_script("examples/pipeline_lm.py", "--size", "tiny", "--steps", "2", *args)
+    found = STEP.findall(out)
+    assert [int(n) for n, _ in found] == [1, 2], out
+    temps = TEMP.findall(out)
+    assert len(temps) == 1 and out.index("temp_bytes=") < out.index("step=1"), out
+    return [float(v) for _, v in found], int(temps[0])
+
+
+def test_pipeline_lm_schedules_agree_with_the_unpipelined_model():
+    none, _ = _run("--schedule", "none")
+    gpipe, t_gpipe = _run("--schedule", "gpipe", "--microbatches", "8")
+    one_f, t_1f1b = _run("--schedule", "1f1b", "--microbatches", "4", "--data-parallel", "2")
+    assert np.all(np.isfinite(none)) and none[1] < none[0], none  # it trains
+    np.testing.assert_allclose(gpipe, none, rtol=1e-5)
+    np.testing.assert_allclose(one_f, none, rtol=1e-5)
+    assert t_gpipe > 0 and t_1f1b > 0
+
+
+def test_pipeline_speed_quick_writes_its_section(tmp_path):
+    from tests.scripts import run_benchmark_quick
+
+    plot = tmp_path / "memory.png"
+    text = run_benchmark_quick(
+        "pipeline_speed.py", "pipeline_speed", tmp_path / "b.md", "--plot", str(plot)
+    )
+    for needle in ["GPipe vs 1F1B vs sequential", "(p-1)/(m+p-1)", "idle, busy-time weighted",
+                   "| gpipe | 8 |", "| 1f1b | 8 |", "loss rel. error"]:  # fmt: skip
+        assert needle in text, needle
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
