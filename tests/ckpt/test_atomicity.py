@@ -24,7 +24,7 @@ from tests.scripts import ROOT
 
 WORKER = ROOT / "tests" / "ckpt" / "ckpt_worker.py"
 TOTAL = 30
-KILLS = 4
+KILLS = 2
 
 
 def _env():
