@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     for step in range(1, steps + 1):
         x, y = batch_from(train_data)
         params, opt_state, loss = train_step(params, opt_state, x, y)
+        print(f"step={step} loss={float(loss)!r}")  # the examples' contract (SPEC section 7)
         running.append(loss)
         if step % report == 0 or step == steps:
             mean = float(jnp.mean(jnp.stack(running)))

@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         x, targets = make_batch(rs, batch, size)
         params, opt_state, loss = train_step(params, opt_state, x, targets)
         losses.append(float(loss))
+        print(f"step={step + 1} loss={losses[-1]!r}")  # the examples' contract (SPEC section 7)
         if step == 0:
             print(f"compile + first step: {time.perf_counter() - t0:.1f}s")
         if step % max(1, steps // 10) == 0 or step == steps - 1:

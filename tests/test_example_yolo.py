@@ -16,6 +16,7 @@ def test_yolo_example_runs_tiny_and_the_loss_drops():
     assert "stride 32: features (8, 1, 1, 8)" in out, out
     losses = [float(v) for v in re.findall(r"step +\d+  loss (\d+\.\d+)", out)]
     assert len(losses) == 12, out
+    assert len(re.findall(r"^step=\d+ loss=\d", out, re.M)) >= 12, out
     assert np_mean(losses[-3:]) < 0.95 * losses[0], losses
 
 
