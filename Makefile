@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint bench install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,5 +41,14 @@ bench: $(VENV)/.test
 	  if [ -f benchmarks/$$b.py ]; then $(BIN)/python benchmarks/$$b.py --out docs/benchmarks.md || exit 1; fi; \
 	done
 
+# The documentation site (mkdocs.yml) into site/: offline, and strict (any warning, a
+# broken link or a docstring mkdocstrings cannot parse, fails the build).
+$(VENV)/.docs: pyproject.toml $(VENV)/.base
+	$(BIN)/pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site

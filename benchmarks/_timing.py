@@ -46,15 +46,18 @@ __all__ = [
     "Pair",
     "RoundStats",
     "compare",
+    "compare_and_log",
     "counts_bullet",
     "cpu_model",
     "environment",
     "flops",
     "format_table",
     "log",
+    "min_ratio_table",
     "per_call_us",
     "publish",
     "ratio_row",
+    "report_head",
     "run_header",
     "run_rounds",
     "same_math_section",
@@ -417,6 +420,16 @@ class CountArgs:
             ap.error("--rounds, --steps and --warmup must be positive")
         return counts
 
+    def parse(
+        self, argv: Sequence[str] | None, doc: str, quick_help: str
+    ) -> tuple[argparse.Namespace, Counts]:
+        """A script's whole command line: the parser (described by `doc`'s first line)
+        with only these options, parsed from `argv`; ``(args, counts)``."""
+        ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+        self.add_to(ap, quick_help=quick_help)
+        args = ap.parse_args(argv)
+        return args, self.resolve(ap, args)
+
 
 def start_run(title: str) -> tuple[datetime.datetime, dict[str, str], str]:
     """Start time (UTC), `environment()` and `command_line()`; logs ``TITLE: COMMAND``."""
@@ -445,6 +458,26 @@ def counts_bullet(rounds: int, steps: int, warmup: int, mode: str, quick: str | 
         f"- {rounds} rounds; per round and contender {warmup} warm-up calls, "
         f"then {steps} timed calls, {mode}" + (f". QUICK smoke run: {quick}." if quick else ".")
     )
+
+
+def report_head(
+    title: str,
+    env: dict[str, str],
+    started: datetime.datetime,
+    command: str,
+    counts: Counts,
+    quick: str | None,
+    mode: str = "interleaved",
+) -> list[str]:
+    """A report's first lines: the ``## title`` heading, `run_header`, `counts_bullet`
+    (`mode`, `quick` as there) and a blank line."""
+    return [
+        f"## {title}",
+        "",
+        *run_header(env, started, command),
+        counts_bullet(*counts, mode, quick),
+        "",
+    ]
 
 
 def ratio_row(
@@ -479,6 +512,37 @@ def ratio_row(
             verdict = "PASS" if first <= pair.target else "FAIL"
             row += [f"<= {pair.target:.2f}x{target_suffix}", verdict]
     return row
+
+
+def min_ratio_table(pairs: Sequence[Pair], num: str = "blox", den: str = "raw") -> str:
+    """The table of compared `pairs` whose target is on the min-based ratio: us/call of
+    `num` and `den` (no decimals), both ratios (min-based first), the per-round range,
+    the target and the verdict (see `ratio_row`)."""
+    header = [
+        "workload",
+        f"{num} us/call",
+        f"{den} us/call",
+        "min-based ratio",
+        "median ratio",
+        "per-round ratios (min - max)",
+        "target",
+        "verdict",
+    ]
+    rows = [ratio_row(p, primary="min", us_digits=0, target_suffix=" (min-based)") for p in pairs]
+    return format_table(header, rows)
+
+
+def compare_and_log(results: list[dict[str, RoundStats]], pairs: Sequence[Pair]) -> list[Pair]:
+    """`compare`, then one `log` line per pair: both sides' us/call, the min-based and
+    median ratios and the per-round (median) ratios."""
+    pairs = compare(results, pairs)
+    for p in pairs:
+        log(
+            f"{p.name}: {p.num_us:.0f} vs {p.den_us:.0f} us/call; min-based ratio "
+            f"{p.min_ratio:.3f}x, median ratio {p.median_ratio:.3f}x; per round: "
+            + " ".join(f"{r:.3f}" for r in p.round_ratios)
+        )
+    return pairs
 
 
 def same_math_section(checks: Sequence[str]) -> list[str]:

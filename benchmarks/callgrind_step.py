@@ -2,15 +2,19 @@
 
 Wall-clock ratios on a shared 2-core machine swing by several percent with the contender
 mix; instruction counts do not depend on what else runs. This script is the program
-valgrind runs: it builds the tiny-MLP Adam step of ``core_overhead.py`` (a), donated,
-runs 20 warm-up steps and then ``N`` more. Per-step instructions are the difference of
-two runs (N and 0), which cancels import, tracing and compilation::
+valgrind runs: it builds a donated Adam train step, runs 20 warm-up steps and then ``N``
+more. Per-step instructions are the difference of two runs (N and 0), which cancels
+import, tracing and compilation::
 
     for w in blox raw; do for n in 0 1000; do
       XLA_FLAGS=--xla_cpu_multi_thread_eigen=false valgrind --tool=callgrind \\
         --callgrind-out-file=/tmp/cg.$w.$n .venv/bin/python benchmarks/callgrind_step.py $w $n
     done; done
     grep -h '^summary:' /tmp/cg.*   # per step = (summary at 1000 - summary at 0) / 1000
+
+The optional third argument picks the workload: ``mlp`` (default: the tiny-MLP step of
+``core_overhead.py`` (a)) or ``lstm`` (the LSTM B=16 T=200 + dense head step of
+``layers_speed.py``; a step costs about 10^8 instructions, so N = 20 is enough).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import optax
 import blox as bx
 
 
-def main(which: str, n: int) -> None:
+def mlp_steps(which: str):
+    """``(step, state, x, y)`` of the tiny-MLP step (a) for `which` = blox or raw."""
     tx = optax.adam(1e-3)
     x, y = _raw.batch(32, 32, 10)
     g = bx.Graph("net")
@@ -37,21 +42,55 @@ def main(which: str, n: int) -> None:
     names = [f"linear_{i}" for i in range(3)]
     if which == "blox":
         step = jax.jit(_workloads.split_merge_step(model, tx), donate_argnums=(0, 1))
-        state = [params, tx.init(params.split()[0])]
-    elif which == "raw":
-        raw = {
-            f"{a}/{w}": params[("net", "mlp", a, w)].value
-            for a in names
-            for w in ("kernel", "bias")
-        }
-        step = jax.jit(_raw.train_step(names, tx), donate_argnums=(0, 1))
-        state = [raw, tx.init(raw)]
-    else:
+        return step, [params, tx.init(params.split()[0])], x, y
+    raw = {
+        f"{a}/{w}": params[("net", "mlp", a, w)].value for a in names for w in ("kernel", "bias")
+    }
+    step = jax.jit(_raw.train_step(names, tx), donate_argnums=(0, 1))
+    return step, [raw, tx.init(raw)], x, y
+
+
+def lstm_steps(which: str):
+    """``(step, state, x, y)`` of the LSTM step of ``layers_speed.py`` (full size)."""
+    import jax.numpy as jnp
+    import layers_speed
+    import numpy as np
+
+    batch, steps, features, hidden = 16, 200, 8, 64
+    rs = np.random.default_rng(0)
+    x = jnp.asarray(rs.standard_normal((batch, steps, features), dtype=np.float32))
+    y = jnp.asarray(np.sin(np.cumsum(np.asarray(x)[..., :1], axis=1)).astype(np.float32))
+    tx = optax.adam(1e-3)
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    model = layers_speed.LSTMRegressor(g / "model", hidden, rng)
+    _, params = model(rng.seed(bx.Params(), seed=0), x)
+    params = params.locked()
+    if which == "blox":
+        step = jax.jit(_workloads.split_merge_step(model, tx), donate_argnums=(0, 1))
+        return step, [params, tx.init(params.split()[0])], x, y
+    base = ("net", "model")
+    names = ["lstm/gates/kernel", "lstm/gates/bias", "head/kernel", "head/bias"]
+    raw = _workloads.raw_dict(
+        params, {n.replace("/gates", ""): (*base, *n.split("/")) for n in names}
+    )
+    step = jax.jit(layers_speed.raw_step(tx), donate_argnums=(0, 1))
+    return step, [raw, tx.init(raw)], x, y
+
+
+WORKLOADS = {"mlp": mlp_steps, "lstm": lstm_steps}
+
+
+def main(which: str, n: int, workload: str = "mlp") -> None:
+    if which not in ("blox", "raw"):
         raise SystemExit(f"first argument must be 'blox' or 'raw', got {which!r}")
+    if workload not in WORKLOADS:
+        raise SystemExit(f"third argument must be one of {sorted(WORKLOADS)}, got {workload!r}")
+    step, state, x, y = WORKLOADS[workload](which)
     for _ in range(20 + n):
         state[0], state[1], loss = step(state[0], state[1], x, y)
         loss.block_until_ready()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])

@@ -17,7 +17,6 @@ steps. Timing is same-round (see ``_timing.py``); the target is on the ratio of 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -133,42 +132,23 @@ def build_lstm(quick: bool) -> tuple[list[Contender], list[Pair], list[str], lis
     return contenders, pairs, checks, hlo
 
 
-def render(env, command, started, rounds, steps, warmup, quick, pairs, checks, hlo) -> str:
-    rows = [
-        _timing.ratio_row(p, primary="min", us_digits=0, target_suffix=" (min-based)")
-        for p in pairs
-    ]
+def render(env, command, started, counts, quick, pairs, checks, hlo) -> str:
     lines = [
-        "## Layers: recurrent train step, blox vs raw JAX",
-        "",
-        *_timing.run_header(env, started, command),
-        _timing.counts_bullet(
-            rounds,
-            steps,
-            warmup,
-            "interleaved",
+        *_timing.report_head(
+            "Layers: recurrent train step, blox vs raw JAX",
+            env,
+            started,
+            command,
+            counts,
             "sizes shrunk, numbers meaningless" if quick else None,
         ),
-        "",
         "blox: `bx.LSTM(hidden=64)` (`lax.scan` through `dynamic_scan`, params in the scan "
         "carry) and a `bx.Linear(1)` head on every step, MSE, the split/grad/merge Adam step. "
         "Raw: the same equations on a `{str: array}` dict with a hand-written `lax.scan`. "
         "The *min-based ratio* is the median over rounds of the ratio of per-round minima "
         "(the target); the *median ratio* uses per-round medians.",
         "",
-        _timing.format_table(
-            [
-                "workload",
-                "blox us/call",
-                "raw us/call",
-                "min-based ratio",
-                "median ratio",
-                "per-round ratios (min - max)",
-                "target",
-                "verdict",
-            ],
-            rows,
-        ),
+        _timing.min_ratio_table(pairs),
         "",
         "### Optimised HLO of the train step",
         "",
@@ -194,23 +174,15 @@ def render(env, command, started, rounds, steps, warmup, quick, pairs, checks, h
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    COUNTS.add_to(ap, quick_help="T=10 and few calls (smoke test)")
-    args = ap.parse_args(argv)
-    rounds, steps, warmup = COUNTS.resolve(ap, args)
+    args, counts = COUNTS.parse(argv, __doc__, quick_help="T=10 and few calls (smoke test)")
     started, env, command = _timing.start_run("blox layers speed")
     t0 = time.perf_counter()
     contenders, pairs, checks, hlo = build_lstm(args.quick)
     log(f"built and checked in {time.perf_counter() - t0:.1f}s; " + "; ".join(checks))
     log("HLO (FLOPs blox/raw, transposes blox/raw): " + " ".join(hlo[0][1:]))
-    results = _timing.run_rounds(contenders, rounds, steps, warmup)
-    for p in _timing.compare(results, pairs):
-        log(
-            f"{p.name}: {p.num_us:.0f} vs {p.den_us:.0f} us/call; min-based ratio "
-            f"{p.min_ratio:.3f}x, median ratio {p.median_ratio:.3f}x; per round: "
-            + " ".join(f"{r:.3f}" for r in p.round_ratios)
-        )
-    report = render(env, command, started, rounds, steps, warmup, args.quick, pairs, checks, hlo)
+    results = _timing.run_rounds(contenders, *counts)
+    pairs = _timing.compare_and_log(results, pairs)
+    report = render(env, command, started, counts, args.quick, pairs, checks, hlo)
     _timing.publish(report, args.out, "layers_speed")
     return 0
 

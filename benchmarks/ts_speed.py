@@ -18,7 +18,6 @@ minima.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -146,41 +145,22 @@ def build(quick: bool):
     return contenders, pairs, checks
 
 
-def render(env, command, started, rounds, steps, warmup, quick, pairs, checks) -> str:
-    rows = [
-        _timing.ratio_row(p, primary="min", us_digits=0, target_suffix=" (min-based)")
-        for p in pairs
-    ]
+def render(env, command, started, counts, quick, pairs, checks) -> str:
     lines = [
-        "## System identification: GRU train step and free run, blox vs raw JAX",
-        "",
-        *_timing.run_header(env, started, command),
-        _timing.counts_bullet(
-            rounds,
-            steps,
-            warmup,
-            "interleaved",
+        *_timing.report_head(
+            "System identification: GRU train step and free run, blox vs raw JAX",
+            env,
+            started,
+            command,
+            counts,
             "sizes shrunk, numbers meaningless" if quick else None,
-        ),  # fmt: skip
-        "",
+        ),
         "blox: `blox.ts.RNNModel(cell='gru', hidden_size=64)` (normalization params "
         "non-trainable, `lax.scan` through `dynamic_scan`), `make_sysid_step` (loss in "
         "normalized units, Adam); free run: `jax.jit(model.simulate)`. Raw: the same "
         "equations on a `{str: array}` dict with a hand-written `lax.scan`.",
         "",
-        _timing.format_table(
-            [
-                "workload",
-                "blox us/call",
-                "raw us/call",
-                "min-based ratio",
-                "median ratio",
-                "per-round ratios (min - max)",
-                "target",
-                "verdict",
-            ],
-            rows,
-        ),
+        _timing.min_ratio_table(pairs),
         "",
         *_timing.same_math_section(checks),
     ]
@@ -188,22 +168,15 @@ def render(env, command, started, rounds, steps, warmup, quick, pairs, checks) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    COUNTS.add_to(ap, quick_help="T=50, 1,000 simulated steps and few calls (smoke test)")
-    args = ap.parse_args(argv)
-    rounds, steps, warmup = COUNTS.resolve(ap, args)
+    quick_help = "T=50, 1,000 simulated steps and few calls (smoke test)"
+    args, counts = COUNTS.parse(argv, __doc__, quick_help)
     started, env, command = _timing.start_run("blox ts speed")
     t0 = time.perf_counter()
     contenders, pairs, checks = build(args.quick)
     log(f"built and checked in {time.perf_counter() - t0:.1f}s; " + "; ".join(checks))
-    results = _timing.run_rounds(contenders, rounds, steps, warmup)
-    for p in _timing.compare(results, pairs):
-        log(
-            f"{p.name}: {p.num_us:.0f} vs {p.den_us:.0f} us/call; min-based ratio "
-            f"{p.min_ratio:.3f}x, median ratio {p.median_ratio:.3f}x; per round: "
-            + " ".join(f"{r:.3f}" for r in p.round_ratios)
-        )
-    report = render(env, command, started, rounds, steps, warmup, args.quick, pairs, checks)
+    results = _timing.run_rounds(contenders, *counts)
+    pairs = _timing.compare_and_log(results, pairs)
+    report = render(env, command, started, counts, args.quick, pairs, checks)
     _timing.publish(report, args.out, "ts_speed")
     return 0
 

@@ -89,8 +89,12 @@ def build(name: str, graph: bx.Graph, stats: dict, rng: bx.Rng, cfg: dict):
                 hidden_size=cfg["hidden"], **common)  # fmt: skip
 
 
-def run(system: str, argv: list[str] | None = None, sizes: dict = SIZES) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run(
+    system: str, argv: list[str] | None = None, sizes: dict = SIZES, description: str = __doc__
+) -> dict[str, float]:
+    """The whole recipe for one simulated `system` (see `blox.ts.make_dataset`); the
+    command line's ``--size`` picks one of `sizes`, `description`'s first line is its help."""
+    parser = argparse.ArgumentParser(description=description.splitlines()[0])
     parser.add_argument("--size", choices=sorted(sizes), default="default")
     parser.add_argument("--steps", type=int, default=None, help="training steps per model")
     parser.add_argument("--seed", type=int, default=0)

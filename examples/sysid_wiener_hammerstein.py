@@ -18,40 +18,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sysid_silverbox import run  # noqa: E402  (the shared recipe, next to this file)
+from sysid_silverbox import SIZES as SILVERBOX_SIZES  # noqa: E402  (next to this file)
+from sysid_silverbox import run  # noqa: E402  (the shared recipe)
 
+# The Silverbox sizes; the default one differs in window, stride, steps and ARX lags.
 SIZES = {
-    "tiny": dict(
-        window=128,
-        chunk=64,
-        stride=32,
-        batch=8,
-        hidden=16,
-        channels=8,
-        steps=12,
-        n_skip=16,
-        na=4,
-        nb=4,
-        models=("gru",),
-    ),  # fmt: skip
-    "default": dict(
-        window=500,
-        chunk=250,
-        stride=25,
-        batch=32,
-        hidden=64,
-        channels=32,
-        steps=2000,
-        n_skip=50,
-        na=10,
-        nb=10,
-        models=("gru", "lstm", "tcn", "crnn"),
-    ),  # fmt: skip
+    "tiny": SILVERBOX_SIZES["tiny"],
+    "default": dict(SILVERBOX_SIZES["default"], window=500, stride=25, steps=2000, na=10, nb=10),
 }
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    return run("wiener_hammerstein", argv, SIZES)
+    return run("wiener_hammerstein", argv, SIZES, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,14 @@
 
 The device count must be set before JAX is imported, so it is done here at import time
 (pytest imports conftest.py before any test module).
+
+The suite is compile-bound (thousands of small XLA CPU compilations), so it compiles with
+`jax_disable_most_optimizations` (the setting JAX's own test suite uses): XLA still runs its
+HLO passes (fusion, layout, buffer assignment: the optimised HLO, its FLOPs and memory
+analysis are what users get) but skips the expensive LLVM backend passes. It is set
+through the environment, so the scripts the tests run in subprocesses inherit it. Results
+are compared against references with tolerances, which the backend passes do not move
+past. A test marked `full_optimizations` compiles with every optimisation on.
 """
 
 import os
@@ -11,6 +19,7 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
 
@@ -26,6 +35,16 @@ def pytest_configure(config):
         "standard_promotion: run with standard dtype promotion (Optax itself is not "
         "strict-promotion clean, e.g. `b1 ** count` mixes float and int32).",
     )
+    config.addinivalue_line(
+        "markers",
+        "slow: starts a subprocess or runs an example or benchmark script; "
+        "`pytest -m 'not slow'` leaves these out for a quick loop (make test runs all).",
+    )
+    config.addinivalue_line(
+        "markers",
+        "full_optimizations: compile with every XLA optimisation on (the suite otherwise "
+        "runs with jax_disable_most_optimizations, see tests/conftest.py).",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -33,3 +52,20 @@ def _dtype_promotion(request):
     mode = "standard" if request.node.get_closest_marker("standard_promotion") else "strict"
     with jax.numpy_dtype_promotion(mode):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _optimizations(request):
+    """For a `full_optimizations` test: the flag is read at compile time and is not part
+    of JAX's in-memory cache keys, so those caches are cleared before the test (nothing it
+    compiles comes from a less optimised compilation) and the setting restored after."""
+    if not request.node.get_closest_marker("full_optimizations"):
+        yield
+        return
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)

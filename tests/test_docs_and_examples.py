@@ -1,6 +1,7 @@
 """Docs and examples: every public name documented, README code runs, examples run tiny."""
 
 import importlib
+import inspect
 import re
 import subprocess
 import sys
@@ -21,16 +22,70 @@ PUBLIC_MODULES = {
 }
 
 
+# Functions whose docstrings must state shapes, besides every public `Module` subclass
+# outside blox.core (layers and models) and every function of blox.nn.
+SHAPED_FUNCTIONS = {
+    "train": {
+        "mse",
+        "mae",
+        "rmse",
+        "normalized_mse",
+        "normalized_mae",
+        "softmax_cross_entropy",
+        "sigmoid_binary_cross_entropy",
+    },
+}
+_SHAPES = re.compile(r"^Shapes( \([^)\n]*\))?:")
+
+
+def _shapes_paragraph(doc: str) -> str | None:
+    """The paragraph of `doc` that starts with `Shapes:` (or `Shapes (...):`), joined."""
+    paragraphs = re.split(r"\n\s*\n", doc)
+    found = [p for p in paragraphs if _SHAPES.match(p.lstrip())]
+    return " ".join(found[0].split()) if found else None
+
+
 @pytest.mark.parametrize("name", sorted(PUBLIC_MODULES))
 def test_every_public_name_has_a_docstring_and_an_api_page(name):
+    """Every public name of `blox.<name>` has a docstring and a mkdocstrings entry
+    `::: blox.<name>.<n>` on `docs/api/<name>.md` or a `docs/api/<name>-<topic>.md` page
+    (or the package has a `::: blox.<name>` entry), and the pages have no entry for a
+    name that is not public. Every layer or model (a public `Module` subclass outside
+    blox.core), every function of blox.nn and every loss states its shapes in a
+    paragraph that starts with `Shapes:` and maps inputs to outputs with `->`. (The
+    strict site build in tests/test_docs_site.py renders these entries and fails on a
+    docstring mkdocstrings cannot parse.)"""
     module = PUBLIC_MODULES[name]
-    # The module's API page, plus any `docs/api/<name>-<topic>.md` pages.
     pages = [ROOT / "docs" / "api" / f"{name}.md", *(ROOT / "docs" / "api").glob(f"{name}-*.md")]
-    page = "\n".join(p.read_text() for p in pages)
-    missing_doc = [n for n in module.__all__ if not (getattr(module, n).__doc__ or "").strip()]
-    missing_page = [n for n in module.__all__ if f"`{n}`" not in page]
+    text = "\n".join(p.read_text() for p in pages if p.exists())
+    entries = set(re.findall(r"^::: ([\w.]+)\s*$", text, re.M))
+    public = set(module.__all__)
+    docs = {n: inspect.getdoc(getattr(module, n)) or "" for n in public}
+    missing_doc = sorted(n for n in public if not docs[n].strip())
+    missing_entry = sorted(
+        n for n in public if f"blox.{name}.{n}" not in entries and f"blox.{name}" not in entries
+    )
+    stray = sorted(
+        e for e in entries if e != f"blox.{name}" and e.removeprefix(f"blox.{name}.") not in public
+    )
+    shaped = []
+    for n in sorted(public):
+        obj = getattr(module, n)
+        if (inspect.isclass(obj) and issubclass(obj, blox.core.Module) and name != "core") or (
+            inspect.isfunction(obj) and (name == "nn" or n in SHAPED_FUNCTIONS.get(name, ()))
+        ):
+            shaped.append(n)
+    no_shapes = [n for n in shaped if "->" not in (_shapes_paragraph(docs[n]) or "")]
     assert not missing_doc, f"no docstring: {missing_doc}"
-    assert not missing_page, f"not on docs/api/{name}.md: {missing_page}"
+    assert not missing_entry, f"no '::: blox.{name}.<name>' entry on docs/api/{name}*.md: " + (
+        ", ".join(missing_entry)
+    )
+    assert not stray, f"entries on docs/api/{name}*.md for names not in __all__: {stray}"
+    assert not no_shapes, f"no 'Shapes: <in> -> <out>' paragraph in the docstring: {no_shapes}"
+    if name == "nn":  # the check sees the layers and functions it is meant for
+        assert {"Linear", "LSTM", "max_pool", "apply_rotary"} <= set(shaped)
+    if name == "train":
+        assert SHAPED_FUNCTIONS["train"] <= set(shaped)
 
 
 def test_top_level_reexports_are_the_same_objects():

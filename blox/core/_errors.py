@@ -10,7 +10,7 @@ class BloxKeyError(KeyError):
 
     Python prints a ``KeyError``'s argument with ``repr`` (it is meant to be the missing
     key), so ``KeyError("line one\\n    fix()")`` shows as one quoted line with a literal
-    ``\\n``. blox raises this subclass where jax-blox raises ``KeyError`` (an unseeded
+    ``\\n``. blox raises this subclass where a ``KeyError`` is expected (an unseeded
     `Rng`, a parameter missing from locked params, an unknown path): ``except KeyError``
     still catches it, and ``str(err)`` and the traceback show the message unquoted.
 

@@ -58,14 +58,37 @@ def _dtype_name(dtype: Any) -> str:
         return str(dtype)
 
 
+def torch_weight_hint(path: Path) -> str:
+    """The `stored_shape_error` hint for a weight ported from PyTorch, which stores a
+    matrix as ``(out, in)`` where blox stores ``(in, out)``."""
+    return (
+        "PyTorch stores weights as (out, in) and blox as (in, out), so store the "
+        f"transpose, e.g. params[{path!r}] = bx.Param(weight.T)."
+    )
+
+
 def stored_shape_error(
-    module: Module, path: Path, stored: tuple[int, ...], expected: tuple[int, ...], why: str = ""
+    module: Module,
+    path: Path,
+    stored: tuple[int, ...],
+    expected: tuple[int, ...],
+    why: str = "",
+    hint: str | None = None,
 ) -> str:
     """The message for a stored parameter whose shape does not fit `module`.
 
     It blames the stored value (named by path, with both shapes), says when it is the
-    expected shape transposed (a PyTorch weight copied as is), and only then mentions the
-    other cause: inputs of another size than at initialization.
+    expected shape transposed, and only then mentions the other cause: inputs of
+    another size than at initialization.
+
+    Args:
+      module: the module that reads the parameter (named in the message).
+      path: the parameter's path.
+      stored, expected: the stored shape and the one `module` needs.
+      why: appended to the expected shape, e.g. ``" = (D_in, D_out) for ..."``.
+      hint: what to do when `stored` is `expected` reversed, in the layout terms of the
+        caller (e.g. `torch_weight_hint` for a ``(in, out)`` kernel, or what the rows of
+        an embedding table are); default: store the transpose.
     """
     owner = f"{type(module).__name__} '{module.path_str}'"
     msg = (
@@ -73,11 +96,12 @@ def stored_shape_error(
         f"expects {expected}{why}. "
     )
     if len(stored) >= 2 and stored == expected[::-1] and stored != expected:
-        msg += (
-            f"The stored value is transposed: PyTorch stores weights as (out, in) and blox "
-            f"as (in, out), so store the transpose, e.g. params[{path!r}] = "
-            "bx.Param(weight.T). "
-        )
+        if hint is None:
+            hint = (
+                "store its transpose (every axis reversed), e.g. "
+                f"params[{path!r}] = bx.Param(value.T)."
+            )
+        msg += f"The stored value is transposed: {hint} "
     else:
         msg += (
             "Replace the stored value with one of the expected shape (weights copied from "
@@ -151,6 +175,25 @@ class Module:
     def param_path(self, name: str) -> Path:
         """The full path of this module's parameter `name`."""
         return self.graph.path + (name,)
+
+    def peek_param(self, params: Params, name: str, default: Any = None) -> Any:
+        """The stored value of this module's parameter `name`, or `default` if absent.
+
+        Unlike `get_param` it never creates, checks or changes anything and returns no
+        params: ``params.value(self.param_path(name), default)``. Use it to look at a
+        parameter before creating it, e.g. to read the dtype of a stored kernel.
+
+        >>> import blox as bx, jax.numpy as jnp
+        >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
+        >>> fc = bx.Linear(g / 'fc', 4, rng)
+        >>> params = rng.seed(bx.Params(), seed=0)
+        >>> fc.peek_param(params, 'kernel') is None
+        True
+        >>> _, params = fc(params, jnp.ones((2, 3)))
+        >>> fc.peek_param(params.locked(), 'kernel').shape
+        (3, 4)
+        """
+        return params.value(self.graph.path + (name,), default)
 
     @property
     def path_str(self) -> str:

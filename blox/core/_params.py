@@ -411,6 +411,26 @@ class Params:
             return self[path]
         return default
 
+    def value(self, path: Path, default: Any = None) -> Any:
+        """The stored array at `path` (``params[path].value``), or `default` if absent.
+
+        Reads only: nothing is created, and locked params work the same. No `Param` is
+        built, so layers use it to look at a parameter before `Module.get_param` (e.g. to
+        check a stored shape or take the compute dtype). Under ``jax.jit`` it returns
+        the traced array.
+
+        >>> import jax.numpy as jnp
+        >>> params = Params()
+        >>> params[('net', 'w')] = Param(jnp.ones((2, 3)))
+        >>> params.locked().value(('net', 'w')).shape
+        (2, 3)
+        >>> params.value(('net', 'b')) is None, params.value(('net', 'b'), 0.0)
+        (True, 0.0)
+        """
+        path = _check_path(path)
+        i = self._struct.index.get(path)
+        return default if i is None else self._values[i]
+
     def __contains__(self, path: object) -> bool:
         return isinstance(path, tuple) and path in self._struct.index
 

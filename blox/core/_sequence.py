@@ -229,15 +229,54 @@ def _lax_scan(step_fn, params, inputs, state, is_reset, is_training, valid):
     xs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), inputs)
     rs = None if is_reset is None else jnp.swapaxes(is_reset, 0, 1)
     vs = None if valid is None else jnp.swapaxes(valid, 0, 1)
+    leaves, tree = jax.tree.flatten(params)
+    moves = _moving_leaves(step, leaves, tree, state, (xs, rs, vs), is_training)
+
+    def merge(carried):  # the carried leaves back into the params (all of them if None)
+        if moves is None:
+            return carried
+        it = iter(carried)
+        return jax.tree.unflatten(
+            tree, [next(it) if m else v for v, m in zip(leaves, moves, strict=True)]
+        )
+
+    def pick(p):  # the leaves to carry
+        if moves is None:
+            return p
+        return [v for v, m in zip(jax.tree.leaves(p), moves, strict=True) if m]
 
     def body(carry, xrv):
-        state, params = carry
+        state, carried = carry
         x_t, r_t, v_t = xrv
-        (out, state), params = step(params, x_t, state, r_t, is_training, v_t)
-        return (state, params), out
+        (out, state), p = step(merge(carried), x_t, state, r_t, is_training, v_t)
+        return (state, pick(p)), out
 
-    (state, params), outs = jax.lax.scan(body, (state, params), (xs, rs, vs))
-    return (jax.tree.map(lambda o: jnp.swapaxes(o, 0, 1), outs), state), params
+    (state, carried), outs = jax.lax.scan(body, (state, pick(params)), (xs, rs, vs))
+    return (jax.tree.map(lambda o: jnp.swapaxes(o, 0, 1), outs), state), merge(carried)
+
+
+def _moving_leaves(step, leaves, tree, state, xrv, is_training) -> list[bool] | None:
+    """Which params leaves one step replaces (e.g. an Rng counter), found by tracing it once
+    (`jax.eval_shape`, no computation); ``None`` if it returns params of another structure.
+
+    Only those leaves ride in the ``lax.scan`` carry; the others are closed over, as in a
+    hand-written scan. Carrying them all gives the same numbers, but the gradient scan then
+    accumulates the parameter gradients in the carry's (alphabetical) order instead of the
+    order of use and XLA schedules the loop body differently, which costs cache misses.
+    """
+    found: list[list[bool] | None] = []
+
+    def one(values, state, xrv):
+        x_t, r_t, v_t = jax.tree.map(lambda a: a[0], xrv)
+        (out, _), p = step(jax.tree.unflatten(tree, values), x_t, state, r_t, is_training, v_t)
+        new, new_tree = jax.tree.flatten(p)
+        found.append(
+            [a is not b for a, b in zip(new, values, strict=True)] if new_tree == tree else None
+        )
+        return out
+
+    jax.eval_shape(one, leaves, state, xrv)
+    return found[0]
 
 
 def dynamic_scan(

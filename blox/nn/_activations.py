@@ -11,13 +11,15 @@ import jax
 import jax.numpy as jnp
 
 from blox.core import Graph, Module, Params, Rng
-from blox.nn._linear import compute_dtype
+from blox.nn._dtype import compute_dtype
 
 __all__ = ["PReLU", "get_activation", "hard_shrink", "soft_shrink", "tanh_shrink"]
 
 
 def hard_shrink(x: jax.typing.ArrayLike, lambd: float = 0.5) -> jax.Array:
-    """``x`` where ``|x| > lambd``, else 0 (PyTorch ``hardshrink``). Same shape and dtype.
+    """``x`` where ``|x| > lambd``, else 0 (PyTorch ``hardshrink``).
+
+    Shapes: any ``x`` -> the same shape and dtype.
 
     >>> import blox as bx, jax.numpy as jnp
     >>> bx.hard_shrink(jnp.array([-1.0, 0.2, 0.7]))
@@ -28,7 +30,9 @@ def hard_shrink(x: jax.typing.ArrayLike, lambd: float = 0.5) -> jax.Array:
 
 
 def soft_shrink(x: jax.typing.ArrayLike, lambd: float = 0.5) -> jax.Array:
-    """``sign(x) * max(|x| - lambd, 0)`` (PyTorch ``softshrink``). Same shape and dtype.
+    """``sign(x) * max(|x| - lambd, 0)`` (PyTorch ``softshrink``).
+
+    Shapes: any ``x`` -> the same shape and dtype.
 
     >>> import blox as bx, jax.numpy as jnp
     >>> bx.soft_shrink(jnp.array([-1.0, 0.2, 0.75]))
@@ -40,7 +44,10 @@ def soft_shrink(x: jax.typing.ArrayLike, lambd: float = 0.5) -> jax.Array:
 
 
 def tanh_shrink(x: jax.typing.ArrayLike) -> jax.Array:
-    """``x - tanh(x)`` (PyTorch ``tanhshrink``). Same shape and dtype."""
+    """``x - tanh(x)`` (PyTorch ``tanhshrink``).
+
+    Shapes: any ``x`` -> the same shape and dtype.
+    """
     x = jnp.asarray(x)
     return x - jnp.tanh(x)
 
@@ -75,6 +82,8 @@ _TORCH_NAMES: dict[str, Callable[..., jax.Array]] = {
 def get_activation(name: str | Callable[[jax.Array], jax.Array]) -> Callable[..., jax.Array]:
     """The activation PyTorch calls `name` (``torch.nn.functional.<name>`` with its
     default arguments), as a JAX function; a callable is returned unchanged.
+
+    Shapes: the returned function is elementwise: any ``x`` -> the same shape and dtype.
 
     Names: ``identity, relu, relu6, sigmoid, tanh, silu`` (= ``swish``), ``gelu`` (the
     exact erf form, PyTorch's default; note ``jax.nn.gelu`` defaults to the tanh
@@ -119,13 +128,14 @@ class PReLU(Module):
     channel along the last axis (``(..., C)``), or along axis 1 with
     ``channels_first=True`` (``(B, C, ...)``, PyTorch's layout).
 
+    ``graph, num_parameters, rng`` may be positional; every argument after ``rng`` is
+    keyword-only, so PyTorch's positional ``PReLU(3, 0.1)`` is written
+    ``PReLU(graph, 3, init=0.1)``.
+
     Args:
       graph: this module's node.
       num_parameters: 1 (a shared slope) or the number of channels.
       rng: unused by the default initializer; kept for a uniform layer signature.
-      (``graph, num_parameters, rng`` may be positional; the options below are
-      keyword-only, so PyTorch's positional ``PReLU(3, 0.1)`` must be written
-      ``PReLU(graph, 3, init=0.1)``.)
       init: the initial slope (PyTorch's default 0.25).
       channels_first: the channel axis is 1 instead of -1.
       dtype: the compute dtype; default: the promotion of input and parameter dtypes.

@@ -48,6 +48,10 @@ class MultiHeadAttention(Module):
     Legend: B batch, T query length, S key length, D ``model_size``, N ``num_heads``,
     K ``num_kv_heads``, H ``head_dim``, L cache length.
 
+    Shapes: ``x (B, T, D)`` and ``context (B, S, D_ctx)`` (default ``x``) ->
+    ``(B, T, output_size)``; ``mask`` ``(T, S)``, ``(B, T, S)`` or ``(B, N, T, S)``
+    (True = may attend), ``key_mask`` ``(B, S)`` (``(B, L)`` when decoding).
+
     ::
 
         q = x @ Wq + bq            (B, T, N, H)
@@ -56,13 +60,14 @@ class MultiHeadAttention(Module):
         a = softmax(q k^T / sqrt(H) + mask) v     query head n uses kv head n // (N/K)
         y = a @ Wo + bo            (B, T, output_size)
 
+    ``graph, model_size, num_heads, rng`` may be positional, in this order (the order of
+    `TransformerBlock` and `TransformerLM`); every argument after ``rng`` is keyword-only.
+
     Args:
       graph: this module's node.
       model_size: D, the feature size of the queries' input ``x``.
       num_heads: N.
       rng: the `Rng` for initialization and attention dropout.
-      (The arguments above may be positional, in this order, the order of
-      `TransformerBlock` and `TransformerLM`; the options below are keyword-only.)
       num_kv_heads: K (default N); must divide N. K = 1 is multi-query attention.
       head_dim: H (default D // N; then N must divide D).
       output_size: the output feature size (default D).
@@ -252,7 +257,7 @@ class MultiHeadAttention(Module):
 
     def cache_index(self, params: Params) -> jax.Array:
         """The number of cached positions (int32 scalar)."""
-        index = params._get_value(self.param_path("cache_index"))
+        index = self.peek_param(params, "cache_index")
         if index is None:
             raise BloxKeyError(_NO_CACHE.format(path=self.path_str))
         return index
@@ -313,8 +318,8 @@ class MultiHeadAttention(Module):
                 rope = slots if positions is None else positions
                 q = apply_rotary(q, rope, base=self.rope_base)
                 kk = apply_rotary(kk, rope, base=self.rope_base)
-            ck = params._get_value(self.param_path("cache_key"))
-            cv = params._get_value(self.param_path("cache_value"))
+            ck = self.peek_param(params, "cache_key")
+            cv = self.peek_param(params, "cache_value")
             length = ck.shape[1]
             start = (jnp.int32(0), index, jnp.int32(0), jnp.int32(0))
             ck = jax.lax.dynamic_update_slice(ck, kk.astype(ck.dtype), start)
@@ -359,14 +364,14 @@ class MultiHeadAttention(Module):
         return y, params
 
     def _cache_length(self, params: Params) -> int:
-        ck = params._get_value(self.param_path("cache_key"))
+        ck = self.peek_param(params, "cache_key")
         if ck is None:
             raise BloxKeyError(_NO_CACHE.format(path=self.path_str))
         return ck.shape[1]
 
     def _decode_index(self, params: Params, x: jax.Array) -> jax.Array:
-        index = params._get_value(self.param_path("cache_index"))
-        ck = params._get_value(self.param_path("cache_key"))
+        index = self.peek_param(params, "cache_index")
+        ck = self.peek_param(params, "cache_key")
         if index is None or ck is None:
             raise BloxKeyError(_NO_CACHE.format(path=self.path_str))
         b, t = x.shape[:2]

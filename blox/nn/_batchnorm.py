@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blox.core import Graph, Params, Rng
+from blox.core._sharding import explicit_sharding, split_out_sharding
 from blox.nn._norm import AffineNorm, stats_dtype
 
 __all__ = ["BatchNorm", "GroupNorm"]
@@ -45,10 +46,10 @@ class BatchNorm(AffineNorm):
         running_mean = momentum * running_mean + (1 - momentum) * mean
         running_var  = momentum * running_var  + (1 - momentum) * var * n / (n - 1)
 
-    ``momentum`` keeps that fraction of the old value (jax-blox / Flax meaning: PyTorch's
+    ``momentum`` keeps that fraction of the old value (Flax's meaning: PyTorch's
     ``momentum=0.1`` is ``momentum=0.9`` here). The running variance takes the
     *unbiased* batch variance (``n`` = number of values per channel), as PyTorch does, so
-    ported PyTorch models keep their statistics (jax-blox 0.1.6 stored the biased one). In
+    ported PyTorch models keep their statistics (jax-blox: see docs/migrating.md). In
     eval mode (``is_training=False``) the running statistics normalize and nothing changes.
 
     Cross-device statistics: with ``axis_name`` set and the model run under
@@ -294,12 +295,18 @@ class GroupNorm(AffineNorm):
         sd = stats_dtype(x.dtype, out_dtype)
         # Split the channel axis into (groups, channels per group) and reduce over every
         # axis except the batch axis and the group axis.
-        grouped = x.astype(sd).reshape(x.shape[:ax] + (g, c // g) + x.shape[ax + 1 :])
+        # On an Explicit mesh a sharded channel axis needs the reshapes' shardings.
+        split = split_out_sharding(x, ax, (g, c // g))
+        grouped = x.astype(sd).reshape(
+            x.shape[:ax] + (g, c // g) + x.shape[ax + 1 :], out_sharding=split
+        )
         reduce_axes = tuple(i for i in range(1, grouped.ndim) if i != ax)
         mean = jnp.mean(grouped, axis=reduce_axes, keepdims=True)
         centred = grouped - mean
         var = jnp.mean(jnp.square(centred), axis=reduce_axes, keepdims=True)
-        y = (centred * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, sd))).reshape(x.shape)
+        y = (centred * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, sd))).reshape(
+            x.shape, out_sharding=explicit_sharding(x) if split is not None else None
+        )
         if scale is not None:
             y = y * scale.astype(sd).reshape(bshape)
         if bias is not None:

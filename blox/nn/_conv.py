@@ -5,7 +5,7 @@ Both take channels-last inputs by default (``(..., W, C)``, ``(..., H, W, C)``,
 (``(..., C, H, W)``) with ``channels_first=True``. The kernel layout does not depend on
 the input layout, so one set of parameters gives the same numbers in both layouts.
 
-The padding helpers here are shared with the pooling functions in ``_pool.py``.
+The padding arithmetic (shared with the pooling functions) lives in ``_padding.py``.
 """
 
 from __future__ import annotations
@@ -17,18 +17,25 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from blox.core import Graph, Module, Params, Rng
 from blox.core._module import stored_shape_error
 from blox.core._params import format_path
-from blox.nn._linear import compute_dtype
+from blox.core._sharding import conv_out_sharding, reshard_dim, resolve_out_sharding
+from blox.nn._dtype import compute_dtype
+from blox.nn._padding import (
+    PaddingLike,
+    dilate,
+    int_tuple,
+    layout,
+    normalize_padding,
+    resolve_pads,
+    split_input,
+    transpose_pads,
+)
 
 __all__ = ["Conv", "ConvTranspose", "PaddingLike"]
-
-PaddingLike = str | int | Sequence[int] | Sequence[tuple[int, int]]
-"""``'SAME'``, ``'SAME_LOWER'``, ``'VALID'``, ``'CAUSAL'`` (1-D), an int (the same on
-both sides of every spatial axis), one int per spatial axis, or one ``(low, high)``
-pair per spatial axis."""
 
 _default_kernel_init = jax.nn.initializers.lecun_normal()
 # ConvTranspose kernels are (*k, C_out, C_in // G) (or, with transpose_kernel=True,
@@ -52,142 +59,10 @@ _SPATIAL = "0123456789"  # spatial letters for lax dimension numbers (any unique
 _PAD_STRINGS = ("SAME", "SAME_LOWER", "VALID", "CAUSAL")
 
 
-# ---------------------------------------------------------------------------
-# Shared helpers (also used by the pooling functions)
-# ---------------------------------------------------------------------------
-
-
-def _tuple(value: Any, n: int, what: str, where: str, fix: str) -> tuple[int, ...]:
-    """`value` as `n` positive ints: an int is repeated, a sequence must have length n."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        out = (value,) * n
-    else:
-        try:
-            out = tuple(value)
-        except TypeError:
-            raise TypeError(
-                f"{where}: {what} must be an int or a sequence of ints, got {value!r}."
-            ) from None
-        if len(out) != n:
-            raise ValueError(
-                f"{where}: {what} has {len(out)} entries {out!r}, but the operation has {n} "
-                f"spatial dimension(s). {fix}"
-            )
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in out):
-        raise ValueError(f"{where}: {what} must be positive ints, got {value!r}.")
-    return out
-
-
-def _normalize_padding(
-    padding: Any, n: int, where: str, allowed: Sequence[str]
-) -> str | tuple[tuple[int, int], ...]:
-    """Checks a padding spec; returns a canonical string or `n` ``(low, high)`` pairs."""
-    fix = (
-        f"Use one of {', '.join(repr(s) for s in allowed)}, an int, one int per spatial "
-        f"axis, or {n} (low, high) pair(s), e.g. padding={[(1, 1)] * n!r}."
-    )
-    if isinstance(padding, str):
-        p = padding.upper()
-        if p not in allowed:
-            extra = ""
-            if p == "CAUSAL":
-                extra = f" 'CAUSAL' padding is only defined for 1-D inputs (this one is {n}-D)."
-            raise ValueError(f"{where}: unknown padding {padding!r}.{extra} {fix}")
-        return p
-    if isinstance(padding, int) and not isinstance(padding, bool):
-        pairs: list[Any] = [(padding, padding)] * n
-    else:
-        try:
-            items = list(padding)
-        except TypeError:
-            raise TypeError(f"{where}: bad padding {padding!r}. {fix}") from None
-        if n == 1 and len(items) == 2 and all(isinstance(v, int) for v in items):
-            items = [tuple(items)]  # 1-D: (low, high)
-        if len(items) != n:
-            raise ValueError(
-                f"{where}: padding {padding!r} has {len(items)} entries for {n} spatial "
-                f"dimension(s). {fix}"
-            )
-        pairs = []
-        for item in items:
-            if isinstance(item, int) and not isinstance(item, bool):
-                pairs.append((item, item))
-                continue
-            try:
-                pair = tuple(item)
-            except TypeError:
-                raise TypeError(f"{where}: bad padding entry {item!r}. {fix}") from None
-            if len(pair) != 2:
-                raise ValueError(
-                    f"{where}: padding entry {item!r} is not a (low, high) pair. {fix}"
-                )
-            pairs.append(pair)
-    for lo, hi in pairs:
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)):
-            raise TypeError(f"{where}: padding values must be ints, got {padding!r}. {fix}")
-        if lo < 0 or hi < 0:
-            raise ValueError(
-                f"{where}: padding values must be >= 0, got {padding!r}. To crop, slice the "
-                "input instead."
-            )
-    return tuple((int(lo), int(hi)) for lo, hi in pairs)
-
-
-def _same_pads(size: int, window: int, stride: int, lower: bool) -> tuple[int, int]:
-    """XLA/TensorFlow 'SAME': output ``ceil(size / stride)``; odd extra on the high side
-    (on the low side for 'SAME_LOWER')."""
-    out = -(-size // stride)
-    total = max((out - 1) * stride + window - size, 0)
-    small = total // 2
-    return (total - small, small) if lower else (small, total - small)
-
-
-def _resolve_pads(
-    spec: str | tuple[tuple[int, int], ...],
-    sizes: Sequence[int],
-    windows: Sequence[int],
-    strides: Sequence[int],
-) -> list[tuple[int, int]]:
-    """Concrete ``(low, high)`` pads of a forward convolution / pooling window."""
-    if spec == "VALID":
-        return [(0, 0)] * len(sizes)
-    if spec in ("SAME", "SAME_LOWER"):
-        return [
-            _same_pads(n, w, s, spec == "SAME_LOWER")
-            for n, w, s in zip(sizes, windows, strides, strict=True)
-        ]
-    if spec == "CAUSAL":
-        return [(w - 1, 0) for w in windows]
-    return list(spec)  # explicit pairs
-
-
-def _dilate(size: int, rate: int) -> int:
-    return 0 if size == 0 else (size - 1) * rate + 1
-
-
 def _dimension_numbers(n: int, channels_first: bool, kernel_spec: str) -> tuple[str, str, str]:
     sp = _SPATIAL[:n]
     lhs = "NC" + sp if channels_first else "N" + sp + "C"
     return (lhs, sp + kernel_spec, lhs)
-
-
-def _split_input(
-    x: jax.Array, n: int, channels_first: bool
-) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
-    """(batch shape, channels, spatial shape) of an input with `n` spatial axes."""
-    batch = tuple(x.shape[: x.ndim - n - 1])
-    if channels_first:
-        return batch, x.shape[-n - 1], tuple(x.shape[-n:])
-    return batch, x.shape[-1], tuple(x.shape[-n - 1 : -1])
-
-
-def _layout(n: int, channels_first: bool) -> str:
-    letters = "DHW"[-n:] if n <= 3 else "S" * n
-    return (
-        ("(..., C, " if channels_first else "(..., ")
-        + ", ".join(letters)
-        + (")" if channels_first else ", C)")
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -233,10 +108,10 @@ class _ConvBase(Module):
             raise ValueError(f"{where}: kernel_size must not be empty; e.g. (3, 3) for 2-D.")
         n = len(kernel_size)
         self.num_spatial_dims = n
-        self.kernel_size = _tuple(kernel_size, n, "kernel_size", where, "")
+        self.kernel_size = int_tuple(kernel_size, n, "kernel_size", where, "")
         fix = f"Give one value per spatial dimension or a single int (kernel_size={kernel_size})."
-        self.strides = _tuple(strides, n, "strides", where, fix)
-        self.kernel_dilation = _tuple(kernel_dilation, n, "kernel_dilation", where, fix)
+        self.strides = int_tuple(strides, n, "strides", where, fix)
+        self.kernel_dilation = int_tuple(kernel_dilation, n, "kernel_dilation", where, fix)
         if (
             not isinstance(output_channels, int)
             or isinstance(output_channels, bool)
@@ -260,7 +135,7 @@ class _ConvBase(Module):
                 "output_channels / feature_group_count channels; choose output_channels as "
                 "a multiple of the group count."
             )
-        self.padding = _normalize_padding(padding, n, where, allowed_padding)
+        self.padding = normalize_padding(padding, n, where, allowed_padding)
         self.output_channels = output_channels
         self.feature_group_count = feature_group_count
         self.rng = rng
@@ -282,11 +157,11 @@ class _ConvBase(Module):
         if x.ndim < n + 1:
             raise ValueError(
                 f"{self._where} is {n}-D (kernel_size={self.kernel_size}) and expects inputs "
-                f"of shape {_layout(n, self.channels_first)} with at least {n + 1} axes, got "
+                f"of shape {layout(n, self.channels_first)} with at least {n + 1} axes, got "
                 f"shape {tuple(x.shape)}. Add the channel axis (e.g. x[..., None] for one "
                 "channel) or use a kernel_size with as many entries as spatial axes."
             )
-        batch, cin, spatial = _split_input(x, n, self.channels_first)
+        batch, cin, spatial = split_input(x, n, self.channels_first)
         g = self.feature_group_count
         if cin % g:
             axis = -self.num_spatial_dims - 1 if self.channels_first else -1
@@ -318,7 +193,7 @@ class _ConvBase(Module):
         kernel that differs there alone means the input changed.
         """
         path = self.param_path("kernel")
-        shape = getattr(params._get_value(path), "shape", None)
+        shape = getattr(params.value(path), "shape", None)
         if shape is None or tuple(shape) == expected:
             return
         stored, n = tuple(shape), self.num_spatial_dims
@@ -334,7 +209,7 @@ class _ConvBase(Module):
         raise ValueError(
             f"{self._where}: its kernel has shape {stored} in params, but input "
             f"shape {tuple(x.shape)} needs {expected} (layout "
-            f"{_layout(n, self.channels_first)}). Fix the input's "
+            f"{layout(n, self.channels_first)}). Fix the input's "
             "channel axis (or the layout: channels_first) or re-initialize the params."
         )
 
@@ -342,13 +217,46 @@ class _ConvBase(Module):
         """PyTorch weight axes -> blox kernel axes, e.g. ``'2, 3, 1, 0'`` for 2-D."""
         return ", ".join(str(i) for i in (*range(2, self.num_spatial_dims + 2), 1, 0))
 
+    def _convolve(
+        self,
+        x: jax.Array,
+        rhs: jax.Array,
+        batch: tuple[int, ...],
+        out_sharding: Any,
+        **conv: Any,
+    ) -> tuple[jax.Array, tuple[NamedSharding | None, NamedSharding | None]]:
+        """``lax.conv_general_dilated`` over `x` (batch axes flattened to one) and `rhs`.
+
+        Returns ``(y, (sharding, placement))``: `sharding` is the convolution's
+        ``out_sharding`` on an Explicit mesh (the user's, or inferred by
+        `conv_out_sharding` where JAX needs one), `placement` what `_finish` still
+        applies to the whole output (a constraint on an Auto mesh, or a reshard of a
+        user's Explicit sharding when several batch axes were flattened)."""
+        xb = x if len(batch) == 1 else x.reshape((math.prod(batch),) + x.shape[len(batch) :])
+        dn = lax.conv_dimension_numbers(xb.shape, rhs.shape, self._dn)
+        sharding = placement = None
+        if out_sharding is not None:
+            n, cf = self.num_spatial_dims, self.channels_first
+            sharding, placement = resolve_out_sharding(
+                self._where, out_sharding, x.ndim, f"{layout(n, cf)} (C = {self.output_channels})"
+            )
+            if sharding is not None and len(batch) != 1:  # for the unflattened output
+                sharding, placement = None, sharding
+        if sharding is None:
+            shape = _conv_out_shape(xb, rhs, dn, conv)
+            sharding = conv_out_sharding(xb, rhs, dn, shape)
+        y = lax.conv_general_dilated(xb, rhs, dimension_numbers=dn, out_sharding=sharding, **conv)
+        return y, (sharding, placement)
+
     def _finish(
         self,
         params: Params,
         y: jax.Array,
         batch: tuple[int, ...],
         cd: Any,
+        shardings: tuple[NamedSharding | None, NamedSharding | None] = (None, None),
     ) -> tuple[jax.Array, Params]:
+        sharding, placement = shardings
         if self.use_bias:
             bias, params = self.get_param(
                 params,
@@ -360,11 +268,18 @@ class _ConvBase(Module):
                 rng=self.rng,
             )
             bias = bias.astype(cd)
+            if sharding is not None:  # the bias on the output's channel spec
+                bias = reshard_dim(bias, 0, sharding, 1 if self.channels_first else y.ndim - 1)
             if self.channels_first:
                 bias = bias.reshape((self.output_channels,) + (1,) * self.num_spatial_dims)
             y = y + jnp.broadcast_to(bias, y.shape)
         if len(batch) != 1:
             y = y.reshape(batch + tuple(y.shape[1:]))
+        if placement is not None:
+            if placement.mesh.explicit_axes:
+                y = jax.sharding.reshard(y, placement)
+            else:
+                y = jax.lax.with_sharding_constraint(y, placement)
         return y, params
 
 
@@ -415,6 +330,17 @@ class Conv(_ConvBase):
     Parameters: ``<path>/kernel`` ``(*kernel_size, C_in // G, C_out)`` (PyTorch's
     ``weight (C_out, C_in // G, *k)`` moved to ``weight.permute(2, ..., 1, 0)``) and
     ``<path>/bias`` ``(C_out,)``.
+
+    Call: ``conv(params, x, precision=None, *, out_sharding=None)``. On sharded inputs
+    and kernels the layer computes the unsharded math. JAX infers a convolution's output
+    sharding on an *Explicit* mesh only for a replicated kernel and unsharded input
+    channels; otherwise (e.g. a kernel with its output channels over ``'model'``, or
+    input channels sharded in ``x`` and the kernel) the layer infers one: ``x``'s batch
+    and spatial specs kept, the output channels following the kernel's when that axis
+    is free, else replicated (the compiler all-reduces). ``out_sharding`` (a
+    ``NamedSharding``, or a ``PartitionSpec`` under ``jax.set_mesh``) chooses it
+    instead; on an *Auto* mesh it becomes a ``with_sharding_constraint``. Off a mesh and
+    on Auto meshes nothing is added.
 
     >>> import blox as bx, jax.numpy as jnp
     >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
@@ -470,7 +396,7 @@ class Conv(_ConvBase):
             allowed,
         )
         n = self.num_spatial_dims
-        self.input_dilation = _tuple(
+        self.input_dilation = int_tuple(
             input_dilation, n, "input_dilation", self._where, "One value per spatial axis."
         )
         self._dn = _dimension_numbers(n, self.channels_first, "IO")
@@ -478,23 +404,29 @@ class Conv(_ConvBase):
     def output_pads(self, spatial: Sequence[int]) -> list[tuple[int, int]]:
         """The ``(low, high)`` padding applied to each (input-dilated) spatial axis of
         an input with spatial shape `spatial`."""
-        sizes = [_dilate(s, d) for s, d in zip(spatial, self.input_dilation, strict=True)]
+        sizes = [dilate(s, d) for s, d in zip(spatial, self.input_dilation, strict=True)]
         windows = [
-            _dilate(k, d) for k, d in zip(self.kernel_size, self.kernel_dilation, strict=True)
+            dilate(k, d) for k, d in zip(self.kernel_size, self.kernel_dilation, strict=True)
         ]
-        return _resolve_pads(self.padding, sizes, windows, self.strides)
+        return resolve_pads(self.padding, sizes, windows, self.strides)
 
     def __call__(
-        self, params: Params, x: jax.Array, precision: Any = None
+        self,
+        params: Params,
+        x: jax.Array,
+        precision: Any = None,
+        *,
+        out_sharding: NamedSharding | PartitionSpec | None = None,
     ) -> tuple[jax.Array, Params]:
-        """Applies the convolution; returns ``(y, params)`` (shapes in the class doc)."""
+        """Applies the convolution; returns ``(y, params)`` (shapes in the class doc).
+        ``out_sharding``: the output's sharding (see the class docstring)."""
         x = jnp.asarray(x)
         batch, cin, spatial = self._check_input(x)
         n, g = self.num_spatial_dims, self.feature_group_count
         pads = self.output_pads(spatial)
         for i in range(n):
-            size = _dilate(spatial[i], self.input_dilation[i])
-            window = _dilate(self.kernel_size[i], self.kernel_dilation[i])
+            size = dilate(spatial[i], self.input_dilation[i])
+            window = dilate(self.kernel_size[i], self.kernel_dilation[i])
             lo, hi = pads[i]
             if size + lo + hi < window:
                 raise ValueError(
@@ -527,19 +459,38 @@ class Conv(_ConvBase):
             rng=self.rng,
         )
         cd = compute_dtype(x, kernel.dtype, self.dtype)
-        xb = x if len(batch) == 1 else x.reshape((math.prod(batch),) + x.shape[len(batch) :])
-        y = lax.conv_general_dilated(
-            xb.astype(cd),
+        y, shardings = self._convolve(
+            x.astype(cd),
             kernel.astype(cd),
+            batch,
+            out_sharding,
             window_strides=self.strides,
             padding=pads,
             lhs_dilation=self.input_dilation,
             rhs_dilation=self.kernel_dilation,
-            dimension_numbers=self._dn,
             feature_group_count=g,
             precision=precision,
         )
-        return self._finish(params, y, batch, cd)
+        return self._finish(params, y, batch, cd, shardings)
+
+
+def _conv_out_shape(
+    lhs: jax.Array, rhs: jax.Array, dn: lax.ConvDimensionNumbers, conv: dict
+) -> tuple[int, ...]:
+    """The output shape of ``lax.conv_general_dilated(lhs, rhs, **conv)`` (explicit pads)."""
+    lhs_dims, rhs_dims, out_dims = dn
+    n = len(lhs_dims) - 2
+    out = [0] * lhs.ndim
+    out[out_dims[0]] = lhs.shape[lhs_dims[0]]
+    out[out_dims[1]] = rhs.shape[rhs_dims[0]]
+    lhs_dil = conv.get("lhs_dilation") or (1,) * n
+    rhs_dil = conv.get("rhs_dilation") or (1,) * n
+    for i in range(n):
+        size = dilate(lhs.shape[lhs_dims[2 + i]], lhs_dil[i])
+        window = dilate(rhs.shape[rhs_dims[2 + i]], rhs_dil[i])
+        lo, hi = conv["padding"][i]
+        out[out_dims[2 + i]] = (size + lo + hi - window) // conv["window_strides"][i] + 1
+    return tuple(out)
 
 
 def _len(value: Any) -> int | None:
@@ -554,37 +505,15 @@ def _len(value: Any) -> int | None:
 # ---------------------------------------------------------------------------
 
 
-def _transpose_pads(
-    spec: str | tuple[tuple[int, int], ...],
-    windows: Sequence[int],
-    strides: Sequence[int],
-) -> list[tuple[int, int]]:
-    """Pads of the stride-1 convolution over the stride-dilated input (lax semantics)."""
-    if isinstance(spec, tuple):
-        return list(spec)
-    out = []
-    for k, s in zip(windows, strides, strict=True):
-        if spec == "SAME":  # output n * s
-            total = k + s - 2
-            lo = k - 1 if s > k - 1 else -(-total // 2)
-        elif spec == "VALID":  # output n * s + max(k - s, 0)
-            total = k + s - 2 + max(k - s, 0)
-            lo = k - 1
-        else:  # CAUSAL: output n * s; output t sees inputs j with j * s <= t
-            total = k + s - 2
-            lo = k - 1
-        out.append((lo, total - lo))
-    return out
-
-
 class ConvTranspose(_ConvBase):
-    """An N-D transposed convolution (fractionally strided convolution), with
-    jax-blox's kernel layout and semantics by default, or PyTorch's with
+    """An N-D transposed convolution (fractionally strided convolution) that uses its
+    kernel as stored by default (Flax's semantics), or PyTorch's semantics with
     ``transpose_kernel=True``.
 
-    Legend as in `Conv`. Shapes: channels-last ``(*B, *spatial, C_in)`` ->
-    ``(*B, *spatial', C_out)``; ``channels_first=True``: ``(*B, C_in, *spatial)`` ->
-    ``(*B, C_out, *spatial')``.
+    Legend as in `Conv`.
+
+    Shapes: channels-last ``(*B, *spatial, C_in)`` -> ``(*B, *spatial', C_out)``;
+    ``channels_first=True``: ``(*B, C_in, *spatial)`` -> ``(*B, C_out, *spatial')``.
 
     It is a stride-1 convolution over the input with ``stride - 1`` zeros inserted
     between elements, padded by ``(low, high)`` per axis::
@@ -595,11 +524,9 @@ class ConvTranspose(_ConvBase):
 
     For G = 1 this is ``lax.conv_transpose(x, kernel, strides, padding,
     kernel_dilation, ('NHWC', 'HWOI', 'NHWC'), transpose_kernel=False)`` (2-D), what
-    jax-blox 0.1.6 and Flax's ``ConvTranspose`` compute, so their weights give the same
-    numbers here; unlike jax-blox, grouped kernels (``feature_group_count > 1``) work:
-    group ``g`` maps
-    input channels ``g*C_in/G:(g+1)*C_in/G`` with kernel columns
-    ``kernel[..., g*C_out/G:(g+1)*C_out/G, :]``.
+    Flax's ``ConvTranspose`` computes (its kernel is ``(*k, C_in, C_out)``: see below).
+    With groups (``feature_group_count > 1``) group ``g`` maps input channels
+    ``g*C_in/G:(g+1)*C_in/G`` with kernel columns ``kernel[..., g*C_out/G:(g+1)*C_out/G, :]``.
 
     ``transpose_kernel=True`` gives PyTorch's ``ConvTranspose`` (and
     ``lax.conv_transpose(..., transpose_kernel=True)``): the kernel is then that of the
@@ -611,7 +538,7 @@ class ConvTranspose(_ConvBase):
     With ``K = (k - 1) * kernel_dilation + 1`` the output size is
     ``(n - 1) * stride + 1 + low + high - K + 1``:
 
-    * ``'SAME'``: output ``n * stride`` (as ``lax.conv_transpose`` and jax-blox);
+    * ``'SAME'``: output ``n * stride`` (as ``lax.conv_transpose``);
     * ``'VALID'``: output ``n * stride + max(K - stride, 0)`` (idem);
     * ``'CAUSAL'`` (1-D): ``(K - 1, stride - 1)``, output ``n * stride`` where output
       ``t`` depends only on inputs ``j`` with ``j * stride <= t``;
@@ -622,7 +549,7 @@ class ConvTranspose(_ConvBase):
 
     Porting weights (each recipe is checked by a test):
 
-    * jax-blox 0.1.6: the same parameters, paths and arguments; nothing to convert.
+    * jax-blox 0.1.6: nothing to convert (see docs/migrating.md).
     * Flax ``nn.ConvTranspose(features, k, strides, padding)`` (``transpose_kernel=False``,
       kernel ``(*k, C_in, C_out)``): ``kernel = flax_kernel.swapaxes(-1, -2)`` (same
       padding); with Flax's ``transpose_kernel=True`` (kernel ``(*k, C_out, C_in)``) use
@@ -650,7 +577,7 @@ class ConvTranspose(_ConvBase):
       bias_init: default zeros.
       kernel_metadata, bias_metadata: stored with the parameters.
       output_padding: an int or one per spatial axis (default 0).
-      transpose_kernel: False (default): jax-blox's and Flax's semantics, kernel
+      transpose_kernel: False (default): Flax's semantics, kernel
         ``(*k, C_out, C_in // G)`` used as stored. True: PyTorch's, kernel
         ``(*k, C_out // G, C_in)`` flipped spatially (the gradient of a `Conv` with
         that kernel).
@@ -658,12 +585,15 @@ class ConvTranspose(_ConvBase):
       dtype: the compute dtype (default: promotion of input and param dtypes).
       param_dtype: the dtype parameters are created in (default float32).
 
-    The arguments up to ``bias_metadata`` are jax-blox's, in its order (positional
-    use works); the others are keyword-only.
+    The arguments up to ``bias_metadata`` may be positional; the others are
+    keyword-only.
 
-    Parameters: ``<path>/kernel`` ``(*kernel_size, C_out, C_in // G)`` (jax-blox's
-    layout; ``(*kernel_size, C_out // G, C_in)`` with ``transpose_kernel=True``) and
+    Parameters: ``<path>/kernel`` ``(*kernel_size, C_out, C_in // G)`` (default;
+    ``(*kernel_size, C_out // G, C_in)`` with ``transpose_kernel=True``) and
     ``<path>/bias`` ``(C_out,)``.
+
+    Call: ``up(params, x, precision=None, *, out_sharding=None)``; sharded inputs,
+    kernels and ``out_sharding`` as for `Conv`.
 
     >>> import blox as bx, jax.numpy as jnp
     >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
@@ -752,22 +682,28 @@ class ConvTranspose(_ConvBase):
     def output_pads(self) -> list[tuple[int, int]]:
         """The ``(low, high)`` padding of the stride-dilated input on each spatial axis."""
         windows = [
-            _dilate(k, d) for k, d in zip(self.kernel_size, self.kernel_dilation, strict=True)
+            dilate(k, d) for k, d in zip(self.kernel_size, self.kernel_dilation, strict=True)
         ]
-        pads = _transpose_pads(self.padding, windows, self.strides)
+        pads = transpose_pads(self.padding, windows, self.strides)
         return [(lo, hi + op) for (lo, hi), op in zip(pads, self.output_padding, strict=True)]
 
     def __call__(
-        self, params: Params, x: jax.Array, precision: Any = None
+        self,
+        params: Params,
+        x: jax.Array,
+        precision: Any = None,
+        *,
+        out_sharding: NamedSharding | PartitionSpec | None = None,
     ) -> tuple[jax.Array, Params]:
-        """Applies the transposed convolution; returns ``(y, params)``."""
+        """Applies the transposed convolution; returns ``(y, params)``.
+        ``out_sharding``: the output's sharding (as for `Conv`)."""
         x = jnp.asarray(x)
         batch, cin, spatial = self._check_input(x)
         n, g, cout = self.num_spatial_dims, self.feature_group_count, self.output_channels
         pads = self.output_pads()
         for i in range(n):
-            size = _dilate(spatial[i], self.strides[i])
-            window = _dilate(self.kernel_size[i], self.kernel_dilation[i])
+            size = dilate(spatial[i], self.strides[i])
+            window = dilate(self.kernel_size[i], self.kernel_dilation[i])
             lo, hi = pads[i]
             if size + lo + hi < window:
                 raise ValueError(
@@ -778,7 +714,7 @@ class ConvTranspose(_ConvBase):
         tk_shape = self.kernel_size + (cout // g, cin)
         kshape = tk_shape if self.transpose_kernel else self.kernel_size + (cout, cin // g)
         other = self.kernel_size + (cout, cin // g) if self.transpose_kernel else tk_shape
-        existing = getattr(params._get_value(self.param_path("kernel")), "shape", None)
+        existing = getattr(self.peek_param(params, "kernel"), "shape", None)
         if existing is not None and tuple(existing) == other != kshape:
             raise ValueError(
                 f"{self._where}: its kernel has shape {tuple(existing)} in params, the "
@@ -824,16 +760,16 @@ class ConvTranspose(_ConvBase):
             # (*k, C_out/G, G, C_in/G) -> (*k, C_in/G, G, C_out/G) -> (*k, C_in/G, C_out).
             rhs = rhs.reshape(self.kernel_size + (cout // g, g, cin // g))
             rhs = jnp.swapaxes(rhs, n, n + 2).reshape(self.kernel_size + (cin // g, cout))
-        xb = x if len(batch) == 1 else x.reshape((math.prod(batch),) + x.shape[len(batch) :])
-        y = lax.conv_general_dilated(
-            xb.astype(cd),
+        y, shardings = self._convolve(
+            x.astype(cd),
             rhs,
+            batch,
+            out_sharding,
             window_strides=(1,) * n,
             padding=pads,
             lhs_dilation=self.strides,
             rhs_dilation=self.kernel_dilation,
-            dimension_numbers=self._dn,
             feature_group_count=g,
             precision=precision,
         )
-        return self._finish(params, y, batch, cd)
+        return self._finish(params, y, batch, cd, shardings)

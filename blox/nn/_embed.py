@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from blox.core import Graph, Module, Params, Rng
 from blox.core._module import stored_shape_error
-from blox.nn._linear import compute_dtype
+from blox.core._sharding import dot_out_sharding, take_out_sharding
+from blox.nn._dtype import compute_dtype
 
 __all__ = ["Embed"]
 
@@ -21,6 +22,9 @@ class Embed(Module):
     """A table of ``num_embeddings`` vectors of size ``embedding_size``, looked up by index.
 
     Legend: V ``num_embeddings`` (vocabulary), D ``embedding_size``.
+
+    Shapes: integer ``indices (...)`` -> ``(..., D)``; `attend`: ``(..., D)`` ->
+    ``(..., V)``.
 
     ``embed(params, indices)`` maps integer ``indices`` of any shape ``(...)`` to
     ``(..., D)``; ``embed.attend(params, x)`` maps ``(..., D)`` to ``(..., V)`` with
@@ -34,7 +38,7 @@ class Embed(Module):
       rng: the `Rng` that provides the initialization key.
       embedding_init: ``init(key, (V, D), dtype)``; default variance scaling 1.0,
         fan-in, normal, with ``out_axis=0`` (so the fan-in is D and each entry has
-        variance ``1 / D``), as in jax-blox and Flax.
+        variance ``1 / D``), as in Flax.
       embedding_metadata: stored with the table, e.g. ``{'sharding': (None, 'model')}``.
       dtype: the compute/output dtype; default the stored table's dtype for lookups
         and the promotion of the input and table dtypes for `attend`.
@@ -98,7 +102,7 @@ class Embed(Module):
 
     def _check_table(self, params: Params) -> None:
         path = self.param_path("embedding")
-        stored = getattr(params._get_value(path), "shape", None)
+        stored = getattr(params.value(path), "shape", None)
         expected = (self.num_embeddings, self.embedding_size)
         if stored is not None and tuple(stored) != expected:
             raise ValueError(
@@ -109,6 +113,10 @@ class Embed(Module):
                     expected,
                     f" = (V, D) for num_embeddings={self.num_embeddings}, "
                     f"embedding_size={self.embedding_size}",
+                    hint="the table is (num_embeddings, embedding_size), one row per token "
+                    "(torch.nn.Embedding's weight has this layout and is copied as is); a "
+                    "(D, V) matrix such as a tied output kernel is stored as its transpose, "
+                    f"e.g. params[{path!r}] = bx.Param(kernel.T).",
                 )
             )
 
@@ -123,7 +131,13 @@ class Embed(Module):
             )
         table, params = self.embedding(params)
         # Negative indices are out of range too (no NumPy-style wrap-around).
-        out = table.at[indices].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
+        # On an Explicit mesh a sharded table needs the lookup's output sharding.
+        out = table.at[indices].get(
+            mode="fill",
+            fill_value=jnp.nan,
+            wrap_negative_indices=False,
+            out_sharding=take_out_sharding(table, indices),
+        )
         if self.dtype is not None:
             out = out.astype(self.dtype)
         return out, params
@@ -147,5 +161,12 @@ class Embed(Module):
             )
         table, params = self.embedding(params)
         cd = compute_dtype(x, table.dtype, self.dtype)
-        y = jnp.einsum("...d,vd->...v", x.astype(cd), table.astype(cd), precision=precision)
+        x, table = x.astype(cd), table.astype(cd)
+        y = jnp.einsum(
+            "...d,vd->...v",
+            x,
+            table,
+            precision=precision,
+            out_sharding=dot_out_sharding(x, table, transposed=True),
+        )
         return y, params

@@ -10,25 +10,15 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from blox.core import Graph, Module, Params, Rng
-from blox.core._module import stored_shape_error
+from blox.core._module import stored_shape_error, torch_weight_hint
 from blox.core._params import format_path
-from blox.core._sharding import dot_out_sharding
+from blox.core._sharding import dot_out_sharding, resolve_out_sharding
+from blox.nn._dtype import compute_dtype
 
-__all__ = ["Linear", "MLP", "compute_dtype"]
+__all__ = ["Linear", "MLP"]
 
 _default_kernel_init = jax.nn.initializers.lecun_normal()
 _default_bias_init = jax.nn.initializers.zeros
-
-
-def compute_dtype(x: jax.Array, param_dtype: Any, dtype: Any | None) -> Any:
-    """The dtype a layer computes in: `dtype` if given, else the standard JAX promotion
-    of the input dtype and the (stored) parameter dtype, so f32 params with bf16 inputs
-    compute in f32 and bf16 params with bf16 inputs in bf16. The casts are explicit, so
-    layers also run under ``jax_numpy_dtype_promotion='strict'``."""
-    if dtype is not None:
-        return jnp.dtype(dtype)
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.promote_types(x.dtype, param_dtype)
 
 
 class Linear(Module):
@@ -161,43 +151,12 @@ class Linear(Module):
         """A user's ``out_sharding`` as ``(matmul out_sharding, sharding constraint)``:
         the first on a mesh with Explicit axes, the second on an Auto mesh."""
         where = f"Linear '{self.path_str}'"
-        if isinstance(out_sharding, PartitionSpec):
-            mesh = jax.sharding.get_abstract_mesh()
-            if mesh.empty:
-                raise ValueError(
-                    f"{where}: out_sharding={out_sharding} is a PartitionSpec but no mesh is "
-                    "set. Call the layer under `with jax.set_mesh(mesh):` or pass "
-                    "out_sharding=NamedSharding(mesh, spec)."
-                )
-            spec = out_sharding
-        elif isinstance(out_sharding, NamedSharding):
-            mesh, spec = out_sharding.mesh, out_sharding.spec
-        else:
-            raise TypeError(
-                f"{where}: out_sharding must be a jax.sharding.NamedSharding, a PartitionSpec "
-                f"(under jax.set_mesh) or None, got {type(out_sharding).__name__}."
-            )
-        if len(spec) > ndim:
-            raise ValueError(
-                f"{where}: out_sharding {spec} has {len(spec)} entries but the output has "
-                f"{ndim} dims (..., {self.output_size}). Give at most one entry per dimension."
-            )
-        for entry in spec:
-            for axis in entry if isinstance(entry, tuple) else (entry,):
-                if axis is not None and axis not in mesh.axis_names:
-                    raise ValueError(
-                        f"{where}: out_sharding {spec} names mesh axis {axis!r}, but the mesh "
-                        f"has axes {tuple(mesh.axis_names)}. Use one of those axes."
-                    )
-        sharding = NamedSharding(mesh, spec)
-        if mesh.explicit_axes:
-            return sharding, None
-        return None, sharding
+        return resolve_out_sharding(where, out_sharding, ndim, f"(..., {self.output_size})")
 
     def _check_kernel(self, params: Params, x: jax.Array) -> None:
         """A stored kernel that cannot fit ``output_size`` is blamed, not the input."""
         path = self.param_path("kernel")
-        stored = getattr(params._get_value(path), "shape", None)
+        stored = getattr(params.value(path), "shape", None)
         if stored is None:
             return
         stored = tuple(stored)
@@ -211,6 +170,7 @@ class Linear(Module):
                     expected,
                     f" = (D_in, D_out) for input shape {tuple(x.shape)} and output_size="
                     f"{self.output_size}",
+                    torch_weight_hint(path),
                 )
             )
         if stored[0] != x.shape[-1]:
@@ -232,8 +192,7 @@ class MLP(Module):
       output_sizes: the width of each layer, e.g. ``(64, 64, 10)``.
       rng: the `Rng` for initialization.
       activation: applied after every layer but the last (default ``jax.nn.relu``).
-        This and every argument below are keyword-only (``MLP`` is not in jax-blox
-        0.1.6, so there is no positional order to keep).
+        This and every argument below are keyword-only.
       activate_final: also apply it after the last layer.
       use_bias: biases in every layer.
       kernel_init, bias_init: passed to each `Linear`.

@@ -185,7 +185,7 @@ class _NormBase(AffineNorm):
             )
         d = x.shape[-1]
         for name in ("scale", "bias"):
-            existing = params._get_value(self.param_path(name))
+            existing = self.peek_param(params, name)
             if existing is not None and hasattr(existing, "shape") and existing.shape != (d,):
                 raise ValueError(
                     f"{self.kind} '{self.path_str}' normalizes {existing.shape[0]} features "

@@ -2,7 +2,8 @@
 
 Plain functions (pooling has no parameters), N-D from the window's length, channels-last
 by default with any number of leading batch axes, channels-first with
-``channels_first=True``. Padding specs are those of `Conv` (without ``'CAUSAL'``).
+``channels_first=True``. Padding specs are those of `Conv` (without ``'CAUSAL'``); the
+padding arithmetic is shared with the convolutions (``_padding.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from blox.nn._conv import PaddingLike, _layout, _normalize_padding, _resolve_pads, _tuple
+from blox.nn._padding import PaddingLike, int_tuple, layout, normalize_padding, resolve_pads
 
 __all__ = ["avg_pool", "global_avg_pool", "global_max_pool", "max_pool", "min_pool"]
 
@@ -34,7 +35,7 @@ def _window(window_shape: Any, where: str) -> tuple[int, ...]:
         ) from None
     if not window:
         raise ValueError(f"{where}: window_shape must not be empty; e.g. (2, 2) for 2-D.")
-    return _tuple(window, len(window), "window_shape", where, "")
+    return int_tuple(window, len(window), "window_shape", where, "")
 
 
 def _plan(
@@ -50,19 +51,19 @@ def _plan(
     window = _window(window_shape, where)
     n = len(window)
     fix = f"Give one value per spatial axis (window_shape={window}) or a single int."
-    strides = window if strides is None else _tuple(strides, n, "strides", where, fix)
-    spec = _normalize_padding(padding, n, where, _POOL_PADDING)
+    strides = window if strides is None else int_tuple(strides, n, "strides", where, fix)
+    spec = normalize_padding(padding, n, where, _POOL_PADDING)
     if x.ndim < n + 1:
         raise ValueError(
             f"{where}: a {n}-D window {window} needs inputs of shape "
-            f"{_layout(n, channels_first)} with at least {n + 1} axes, got shape "
+            f"{layout(n, channels_first)} with at least {n + 1} axes, got shape "
             f"{tuple(x.shape)}. Add the channel axis (e.g. x[..., None]) or use a window with "
             "one entry per spatial axis."
         )
     first = x.ndim - n - (0 if channels_first else 1)
     axes = list(range(first, first + n))
     spatial = tuple(x.shape[a] for a in axes)
-    pads = _resolve_pads(spec, spatial, window, strides)
+    pads = resolve_pads(spec, spatial, window, strides)
     for i, (size, w, (lo, hi)) in enumerate(zip(spatial, window, pads, strict=True)):
         if size + lo + hi < w:
             raise ValueError(
@@ -166,6 +167,9 @@ def min_pool(
 ) -> jax.Array:
     """Min pooling; as `max_pool` with the minimum (padding is ``+inf``).
 
+    Shapes: as `max_pool`: ``(*B, *spatial, C)`` -> ``(*B, *spatial', C)``
+    (``channels_first=True``: ``(*B, C, *spatial)`` -> ``(*B, C, *spatial')``).
+
     >>> import blox as bx, jax.numpy as jnp
     >>> bx.min_pool(jnp.arange(4.0).reshape(4, 1), 2)[:, 0]
     Array([0., 2.], dtype=float32)
@@ -199,8 +203,11 @@ def avg_pool(
 ) -> jax.Array:
     """Average pooling over windows of the spatial axes.
 
-    Shapes and arguments as `max_pool`; padded cells are zeros. With
-    ``count_include_pad=False`` (the default, as jax-blox) each window's sum is divided
+    Shapes: as `max_pool`: ``(*B, *spatial, C)`` -> ``(*B, *spatial', C)``
+    (``channels_first=True``: ``(*B, C, *spatial)`` -> ``(*B, C, *spatial')``).
+
+    Arguments as `max_pool`; padded cells are zeros. With
+    ``count_include_pad=False`` (the default) each window's sum is divided
     by the number of *real* input cells it covers; with ``True`` by the full window size
     (PyTorch's default ``count_include_pad=True``). Without padding both are the same.
 
@@ -259,7 +266,7 @@ def _spatial_axes(where: str, x: jax.Array, num_spatial_dims: int, channels_firs
         raise ValueError(f"{where}: num_spatial_dims must be a positive int, got {n!r}.")
     if x.ndim < n + 1:
         raise ValueError(
-            f"{where}: num_spatial_dims={n} needs inputs of shape {_layout(n, channels_first)} "
+            f"{where}: num_spatial_dims={n} needs inputs of shape {layout(n, channels_first)} "
             f"with at least {n + 1} axes, got shape {tuple(x.shape)}. Pass the number of "
             "spatial axes (e.g. num_spatial_dims=1 for (B, T, C)) or add the channel axis."
         )
@@ -312,7 +319,10 @@ def global_max_pool(
     channels_first: bool = False,
     keepdims: bool = False,
 ) -> jax.Array:
-    """The maximum over all spatial positions; shapes and arguments as `global_avg_pool`.
+    """The maximum over all spatial positions; arguments as `global_avg_pool`.
+
+    Shapes: as `global_avg_pool`: ``(*B, *spatial, C)`` -> ``(*B, C)``
+    (``channels_first=True``: ``(*B, C, *spatial)`` -> ``(*B, C)``).
 
     >>> import blox as bx, jax.numpy as jnp
     >>> bx.global_max_pool(jnp.arange(6.0).reshape(1, 3, 2), num_spatial_dims=1)

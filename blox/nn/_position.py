@@ -41,6 +41,8 @@ def sinusoidal_encoding(
         pe[..., p, 2i]     = sin(p / max_timescale ** (2i / dim))
         pe[..., p, 2i + 1] = cos(p / max_timescale ** (2i / dim))
 
+    Shapes: ``positions (...)`` -> ``(..., dim)``.
+
     Args:
       positions: integer or float positions, any shape ``(...)`` (e.g. ``(T,)`` or
         ``(B, T)``).
@@ -72,6 +74,9 @@ def sinusoidal_encoding(
 
 def apply_rotary(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0) -> jax.Array:
     """Rotary position embedding (RoPE, Su et al., 2021), "half-split" layout.
+
+    Shapes: ``x (B, T, N, H)`` (or ``(T, N, H)``), ``positions (T,)`` or ``(B, T)`` ->
+    the shape of ``x``.
 
     Legend: B batch, T time, N heads, H head size (even). Each head vector is split
     into halves ``x1 = x[..., :H/2]``, ``x2 = x[..., H/2:]`` and the pair
@@ -193,12 +198,13 @@ class LearnedPositionalEmbedding(Module):
 
     Shapes: ``x`` ``(B, T, D)`` -> ``(B, T, D)``, T <= ``max_length``.
 
+    ``graph, max_length, rng`` may be positional; every argument after ``rng`` is
+    keyword-only.
+
     Args:
       graph: this module's node.
       max_length: the number of positions L.
       rng: the `Rng` that provides the initialization key.
-      (``graph, max_length, rng`` may be positional; the options below are
-      keyword-only.)
       embedding_init: default normal with standard deviation 0.02 (GPT-2).
       embedding_metadata: stored with the table.
       param_dtype: the dtype of the table (float32).
@@ -257,7 +263,7 @@ class LearnedPositionalEmbedding(Module):
             )
         d = x.shape[-1]
         path = self.param_path("embedding")
-        stored = getattr(params._get_value(path), "shape", None)
+        stored = getattr(params.value(path), "shape", None)
         stored = None if stored is None else tuple(stored)
         # The table's first axis follows from max_length alone: a stored table that differs
         # there (a transposed (D, L) copy, another max_length) is blamed, not the input.
@@ -269,6 +275,9 @@ class LearnedPositionalEmbedding(Module):
                     stored,
                     (self.max_length, d),
                     f" = (L, D) for max_length={self.max_length} and input shape {tuple(x.shape)}",
+                    hint="the table is (max_length, D), one row per position (the layout of "
+                    "a torch.nn.Embedding(max_length, D) weight); store the transpose of a "
+                    f"(D, max_length) copy, e.g. params[{path!r}] = bx.Param(table.T).",
                 )
             )
         if stored is not None and stored[1] != d:

@@ -19,8 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from blox.core import Graph, Params, RecurrenceBase, Rng, SequenceBase
-from blox.core._module import stored_shape_error
+from blox.core import Graph, Params, Rng, SequenceBase
 from blox.core._sequence import (
     _STATE_IS_PAIR,
     _batch_size,
@@ -30,8 +29,9 @@ from blox.core._sequence import (
     _contains_params,
     _seq_len,
 )
-from blox.nn._linear import compute_dtype
-from blox.nn._recurrent import _describe
+from blox.core._sharding import reshard_like
+from blox.nn._cell import CellBase, StoredWeight
+from blox.nn._cell import describe as _describe
 
 __all__ = [
     "GRU",
@@ -79,14 +79,13 @@ def orthogonal_per_gate(num_gates: int) -> Callable:
     return init
 
 
-class _GatedCell(RecurrenceBase):
-    """Shared machinery of the single-state cells (construction, checks, state)."""
+class _GatedCell(CellBase):
+    """Shared machinery of the single-state cells: the split parameter layout and the
+    step; the checks and the state come from `CellBase`."""
 
-    _NAME = ""
     _GATES = 1
     _RECURRENT_BIAS = True
     _STATE: type = GRUState
-    _STEP_INPUT_RANK = 2
 
     def __init__(
         self,
@@ -101,137 +100,40 @@ class _GatedCell(RecurrenceBase):
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
     ):
-        super().__init__(graph, is_static=is_static)
-        if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size <= 0:
-            raise ValueError(
-                f"{self._NAME} '{self.path_str}': hidden_size must be a positive int, got "
-                f"{hidden_size!r}."
-            )
-        self.hidden_size = hidden_size
+        super().__init__(graph, hidden_size, is_static, dtype=dtype, param_dtype=param_dtype)
         self.rng = rng
         self.kernel_init = kernel_init or _default_kernel_init
         self.recurrent_kernel_init = recurrent_kernel_init or orthogonal_per_gate(self._GATES)
         self.bias_init = bias_init or _default_bias_init
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-
-    # -- state -----------------------------------------------------------------
-
-    def _state_dtype(self, params: Params, x: jax.Array) -> Any:
-        kernel = params._get_value(self.param_path("kernel"))
-        pdt = getattr(kernel, "dtype", None) or self.param_dtype
-        return compute_dtype(x, pdt, self.dtype)
-
-    def initial_state(self, params: Params, inputs: Any) -> tuple[Any, Params]:
-        """Returns ``(state, params)``: the zero state for one step's inputs.
-
-        Args:
-          params: the current params (returned unchanged).
-          inputs: one step's inputs ``[B, F]``; only B and the dtype are read.
-
-        Returns:
-          ``(state, params)``, a pair: ``state.hidden`` is zeros ``[B, H]`` in the compute
-          dtype (see `Linear`). Unpack it, ``state, params = cell.initial_state(params,
-          x_t)``, and pass ``state`` as ``prev_state``.
-        """
-        x = jnp.asarray(jax.tree.leaves(inputs)[0])
-        shape = (x.shape[0], self.hidden_size)
-        return self._STATE(jnp.zeros(shape, self._state_dtype(params, x))), params
-
-    def _check_state(self, params: Params, prev_state: Any, inputs: Any) -> Any:
-        prev_state = super()._check_state(params, prev_state, inputs)
-        name, state_type = self._NAME.lower(), self._STATE.__name__
-        expected = (jnp.shape(jax.tree.leaves(inputs)[0])[0], self.hidden_size)
-        fix = (
-            "Carry the state returned by the previous call, or build one with "
-            f"`state, params = {name}.initial_state(params, x_t)`."
-        )
-        if not (
-            isinstance(prev_state, self._STATE)
-            or getattr(prev_state, "_fields", None) == ("hidden",)
-        ):
-            raise TypeError(
-                f"{self._NAME} '{self.path_str}': prev_state must be a {state_type} with "
-                f"hidden [B, H] = {expected}, got {_describe(prev_state)}. {fix}"
-            )
-        hidden = prev_state.hidden
-        shape = getattr(hidden, "shape", None)
-        if shape is None or tuple(shape) != expected:
-            raise ValueError(
-                f"{self._NAME} '{self.path_str}': prev_state must be a {state_type} with "
-                f"hidden [B, H] = {expected}, got {type(prev_state).__name__} with hidden: "
-                f"{_describe(hidden)}. {fix}"
-            )
-        return self._STATE(hidden)
 
     # -- parameters ------------------------------------------------------------
 
-    def _weights(self, params: Params, features: int) -> tuple[tuple[jax.Array, ...], Params]:
-        kh = self._GATES * self.hidden_size
-        common = dict(dtype=self.param_dtype, rng=self.rng)
-        w, params = self.get_param(params, "kernel", (features, kh), self.kernel_init, **common)
-        u, params = self.get_param(
-            params,
-            "recurrent_kernel",
-            (self.hidden_size, kh),
-            self.recurrent_kernel_init,
-            **common,
-        )
-        b, params = self.get_param(params, "bias", (kh,), self.bias_init, **common)
-        weights = (w, u, b)
+    def _stored_weights(self, features: int) -> list[StoredWeight]:
+        """The parameters, in creation order: kernel, recurrent_kernel, bias(es)."""
+        hs, kh = self.hidden_size, self._GATES * self.hidden_size
+        gates = "" if self._GATES == 1 else f"{self._GATES}"
+        weights = [
+            StoredWeight(self.param_path("kernel"), (features, kh), f"(F, {gates}H)", 0),
+            StoredWeight(self.param_path("recurrent_kernel"), (hs, kh), f"(H, {gates}H)"),
+            StoredWeight(self.param_path("bias"), (kh,), f"({gates}H,)"),
+        ]
         if self._RECURRENT_BIAS:
-            bu, params = self.get_param(params, "recurrent_bias", (kh,), self.bias_init, **common)
-            weights += (bu,)
-        return weights, params
+            weights.append(StoredWeight(self.param_path("recurrent_bias"), (kh,), f"({gates}H,)"))
+        return weights
+
+    def _weights(self, params: Params, features: int) -> tuple[tuple[jax.Array, ...], Params]:
+        inits = {"kernel": self.kernel_init, "recurrent_kernel": self.recurrent_kernel_init}
+        weights = []
+        for w in self._stored_weights(features):
+            name = w.path[-1]
+            init = inits.get(name, self.bias_init)
+            value, params = self.get_param(
+                params, name, w.shape, init, dtype=self.param_dtype, rng=self.rng
+            )
+            weights.append(value)
+        return tuple(weights), params
 
     # -- one step --------------------------------------------------------------
-
-    def _check_step(self, params: Params, x: jax.Array, prev_state: Any) -> Any:
-        """Checks one step's inputs; returns the state as this cell's state type."""
-        name = self._NAME.lower()
-        if prev_state is None:
-            raise ValueError(
-                f"The {self._NAME} __call__ method requires a valid prev_state "
-                f"('{self.path_str}' runs one step). Get one with `state, params = "
-                f"{name}.initial_state(params, x_t)`, or run a whole sequence with "
-                f"{name}.apply(params, x)."
-            )
-        if x.ndim != 2:
-            raise ValueError(
-                f"{self._NAME} '{self.path_str}': one step takes inputs of shape [B, F], got "
-                f"{tuple(x.shape)}. For a sequence [B, T, F] use {name}.apply(params, x)."
-            )
-        self._check_stored(params, x)
-        return self._check_state(params, prev_state, x)
-
-    def _check_stored(self, params: Params, x: jax.Array) -> None:
-        """Stored weights whose shapes cannot fit this cell are blamed, not the input."""
-        hs, kh, features = self.hidden_size, self._GATES * self.hidden_size, x.shape[-1]
-        gates = "" if self._GATES == 1 else f"{self._GATES}"
-        why = f" for F={features}, H={hs}"
-        expected = {
-            "kernel": ((features, kh), f" = (F, {gates}H){why}"),
-            "recurrent_kernel": ((hs, kh), f" = (H, {gates}H){why}"),
-            "bias": ((kh,), f" = ({gates}H,){why}"),
-        }
-        if self._RECURRENT_BIAS:
-            expected["recurrent_bias"] = ((kh,), f" = ({gates}H,){why}")
-        for pname, (shape, legend) in expected.items():
-            path = self.param_path(pname)
-            stored = getattr(params._get_value(path), "shape", None)
-            if stored is None:
-                continue
-            stored = tuple(stored)
-            if pname == "kernel" and len(stored) == 2 and stored[1] == kh and stored[0] != features:
-                raise ValueError(
-                    f"{self._NAME} '{self.path_str}' expects inputs with {stored[0]} features "
-                    f"(kernel {stored} = (F, {gates}H) with H={hs}), got input shape "
-                    f"{tuple(x.shape)}. Fix the input's last dimension; or, if "
-                    f"'{'/'.join(path)}' was made for another input size, replace it or "
-                    "re-initialize."
-                )
-            if stored != shape:
-                raise ValueError(stored_shape_error(self, path, stored, shape, legend))
 
     def __call__(
         self,
@@ -251,7 +153,9 @@ class _GatedCell(RecurrenceBase):
         dt = self._state_dtype(params, x)
         weights, params = self._weights(params, x.shape[-1])
         weights = tuple(w.astype(dt) for w in weights)
-        h = self._cell(x.astype(dt), h.astype(dt), *weights)
+        h_new = self._cell(x.astype(dt), h.astype(dt), *weights)
+        # The carried state keeps its sharding type (lax.scan needs it; Explicit meshes).
+        h = reshard_like(h_new, h)
         return (h, self._STATE(h)), params
 
     def _cell(self, x: jax.Array, h: jax.Array, *weights: jax.Array) -> jax.Array:
@@ -291,6 +195,9 @@ class GRU(_GatedCell):
 
     Legend: B batch, T time, F input features, H ``hidden_size``.
 
+    Shapes: one step ``x_t [B, F]`` -> ``h [B, H]``; a sequence (`apply`)
+    ``x [B, T, F]`` -> ``[B, T, H]``, plus the final state.
+
     One step, with ``[r_i, z_i, n_i] = x @ kernel + bias`` and
     ``[r_h, z_h, n_h] = h @ recurrent_kernel + recurrent_bias``::
 
@@ -299,10 +206,8 @@ class GRU(_GatedCell):
         n = tanh(n_i + r * n_h)          # r multiplies the hidden part *and* its bias
         h' = (1 - z) * n + z * h
 
-    These are ``torch.nn.GRU``'s equations, so ported weights give PyTorch's numbers.
-    jax-blox 0.1.6's ``GRU`` differs: it applies ``r`` to ``h`` before the candidate
-    matmul (``n = tanh([x, r * h] @ W + b)``, one fused bias) and updates
-    ``h' = (1 - z) * h + z * n``; its weights do not carry over.
+    These are ``torch.nn.GRU``'s equations, so ported weights give PyTorch's numbers
+    (jax-blox 0.1.6's ``GRU`` computes other ones: see docs/migrating.md).
     """
 
     __doc__ = (
@@ -323,7 +228,6 @@ class GRU(_GatedCell):
     """
     )
 
-    _NAME = "GRU"
     _GATES = 3
     _STATE = GRUState
 
@@ -343,6 +247,9 @@ class SimpleRNN(_GatedCell):
 
     Legend: B batch, T time, F input features, H ``hidden_size``.
 
+    Shapes: one step ``x_t [B, F]`` -> ``h [B, H]``; a sequence (`apply`)
+    ``x [B, T, F]`` -> ``[B, T, H]``, plus the final state.
+
     One step::
 
         h' = activation(x @ kernel + bias + h @ recurrent_kernel + recurrent_bias)
@@ -355,8 +262,7 @@ class SimpleRNN(_GatedCell):
         (__doc__ or "")
         + _SHARED_ARGS
         + """
-    Every argument after ``rng`` is keyword-only (jax-blox 0.1.6 has no ``SimpleRNN``,
-    so there is no positional order to keep).
+    Every argument after ``rng`` is keyword-only.
 
     Parameters: ``<path>/kernel (F, H)`` = ``weight_ih_l0.T``, ``<path>/recurrent_kernel
     (H, H)`` = ``weight_hh_l0.T``, ``<path>/bias (H,)`` = ``bias_ih_l0``,
@@ -371,7 +277,6 @@ class SimpleRNN(_GatedCell):
     """
     )
 
-    _NAME = "SimpleRNN"
     _GATES = 1
     _STATE = SimpleRNNState
 
@@ -411,6 +316,9 @@ class MGU(_GatedCell):
 
     Legend: B batch, T time, F input features, H ``hidden_size``.
 
+    Shapes: one step ``x_t [B, F]`` -> ``h [B, H]``; a sequence (`apply`)
+    ``x [B, T, F]`` -> ``[B, T, H]``, plus the final state.
+
     One step, with ``[f_i, n_i] = x @ kernel + bias`` and ``recurrent_kernel = [U_f,
     U_n]`` (each ``(H, H)``)::
 
@@ -426,8 +334,7 @@ class MGU(_GatedCell):
         (__doc__ or "")
         + _SHARED_ARGS
         + """
-    Every argument after ``rng`` is keyword-only (jax-blox 0.1.6 has no ``MGU``, so
-    there is no positional order to keep).
+    Every argument after ``rng`` is keyword-only.
 
     Parameters (gate columns f, n): ``<path>/kernel (F, 2H)``, ``<path>/recurrent_kernel
     (H, 2H)``, ``<path>/bias (2H,)``.
@@ -441,7 +348,6 @@ class MGU(_GatedCell):
     """
     )
 
-    _NAME = "MGU"
     _GATES = 2
     _RECURRENT_BIAS = False
     _STATE = MGUState
@@ -515,6 +421,9 @@ class Bidirectional(SequenceBase):
     """Runs one recurrent layer forward and another backward in time, and merges them.
 
     Legend: B batch, T time, F features, H the layers' output width.
+
+    Shapes: ``x [B, T, F]`` -> ``[B, T, H_f + H_b]`` (``merge='concat'``) or
+    ``[B, T, H]`` (``'sum'``), plus the final states of both layers.
 
     The backward layer sees each row reversed *within its own length* (like PyTorch's
     packed sequences): with ``seq_lengths[b] = L`` it reads ``x[b, L-1], ..., x[b, 0]``,

@@ -29,6 +29,9 @@ def _accepted_kwargs(fn: Callable) -> set[str] | None:
 class Sequential(Module):
     """Applies layers in order: modules get ``(params, x, **kwargs)``, plain callables ``x``.
 
+    Shapes: ``x`` -> the last layer's output; each layer's output is the next one's
+    input.
+
     Keyword arguments given to the call (e.g. ``is_training``) are passed to each
     module whose ``__call__`` accepts them, so a `Dropout` inside a stack sees
     ``is_training`` while a `Linear` does not.

@@ -172,6 +172,9 @@ class TransformerLM(Module):
 
     Legend: B batch, T tokens, V ``vocab_size``, D ``model_size``, L cache length.
 
+    Shapes: integer ``tokens (B, T)`` -> ``logits (B, T, V)``; with ``decode=True``
+    the T new tokens are appended to the KV cache (``init_cache``, L slots).
+
     Args:
       graph: this module's node.
       vocab_size: V.

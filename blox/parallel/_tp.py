@@ -33,6 +33,7 @@ from jax.typing import ArrayLike
 from blox.core import Graph, Module, Params, Rng
 from blox.core._sharding import row_out_sharding as _row_out_sharding
 from blox.nn import Dropout, LayerNorm, RMSNorm, apply_rotary
+from blox.nn._dtype import compute_dtype
 from blox.parallel._mesh import bound_axes, check_vma_enabled
 
 __all__ = [
@@ -46,13 +47,6 @@ __all__ = [
 
 _kernel_init = jax.nn.initializers.lecun_normal()
 _zeros = jax.nn.initializers.zeros
-
-
-def _compute_dtype(x: jax.Array, param_dtype: Any, dtype: Any | None) -> Any:
-    if dtype is not None:
-        return jnp.dtype(dtype)
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.promote_types(x.dtype, param_dtype)
 
 
 def _manual_size(axis: str, where: str) -> int | None:
@@ -113,7 +107,7 @@ class _ParallelLinear(Module):
             init = self.kernel_init if name == "kernel" else self.bias_init
             return self.get_param(params, name, shape, init, dtype=self.param_dtype, rng=self.rng)
         path = self.param_path(name)
-        value = params._get_value(path)
+        value = params.value(path)
         if value is None:
             raise ValueError(
                 f"{where}: parameter '{'/'.join(path)}' is missing inside shard_map. Create "
@@ -192,7 +186,7 @@ class ColumnParallelLinear(_ParallelLinear):
         m = _manual_size(self.axis, self.kind + f" '{self.path_str}'")
         full = (x.shape[-1], self.output_size)
         kernel, params = self._param(params, "kernel", full, 1, m)
-        cd = _compute_dtype(x, kernel.dtype, self.dtype)
+        cd = compute_dtype(x, kernel.dtype, self.dtype)
         y = jnp.dot(x.astype(cd), kernel.astype(cd), precision=precision)
         if self.use_bias:
             bias, params = self._param(params, "bias", (self.output_size,), 0, m)
@@ -236,7 +230,7 @@ class RowParallelLinear(_ParallelLinear):
         m = _manual_size(self.axis, self.kind + f" '{self.path_str}'")
         d_in = x.shape[-1] * (m or 1)
         kernel, params = self._param(params, "kernel", (d_in, self.output_size), 0, m)
-        cd = _compute_dtype(x, kernel.dtype, self.dtype)
+        cd = compute_dtype(x, kernel.dtype, self.dtype)
         if m is None:
             y = jnp.dot(
                 x.astype(cd),
@@ -329,6 +323,9 @@ class ParallelMultiHeadAttention(Module):
 
     Legend: B batch, T query length, S key length, D ``model_size``, N ``num_heads``, K
     ``num_kv_heads``, H ``head_dim``, M the model-axis size.
+
+    Shapes: ``x (B, T, D)``, ``context (B, S, D_ctx)`` (default ``x``) ->
+    ``(B, T, output_size)`` on every model shard; masks as `MultiHeadAttention`.
 
     Inside ``shard_map`` device m holds query heads ``m*N/M ... (m+1)*N/M - 1`` (the
     query/key/value projections are column-parallel, head-major columns) and computes
@@ -524,7 +521,7 @@ class ParallelMultiHeadAttention(Module):
     def _replicated_kv(self, layer: ColumnParallelLinear, params: Params, ctx: jax.Array):
         """The full key/value projection with replicated parameters (K divides M)."""
         kernel = layer._param(params, "kernel", (ctx.shape[-1], layer.output_size), None, 1)[0]
-        cd = _compute_dtype(ctx, kernel.dtype, layer.dtype)
+        cd = compute_dtype(ctx, kernel.dtype, layer.dtype)
         y = jnp.dot(ctx.astype(cd), kernel.astype(cd))
         if layer.use_bias:
             bias = layer._param(params, "bias", (layer.output_size,), None, 1)[0]

@@ -324,6 +324,47 @@ def fit(
     Returns:
       A `FitResult`.
     """
+    _check_fit_args(train_data, epochs, steps_per_epoch, eval_every, log_every)
+    tqdm = _require("tqdm", "fit(progress=True)").tqdm if progress else None
+    hooks = [cb if isinstance(cb, Callback) else _FunctionCallback(cb) for cb in callbacks]
+    state = FitState(params, opt_state, has_eval=eval_fn is not None)
+    run = _Run(
+        step,
+        state,
+        train_data,
+        hooks,
+        num_epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        loggers=loggers,
+        tqdm=tqdm,
+        log_every=log_every,
+        examples_per_step=examples_per_step,
+    )
+    try:
+        for h in hooks:
+            h.on_train_begin(state)
+        stopped = run.epochs()
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+    finally:
+        for lg in loggers:
+            lg.close()
+    for h in hooks:
+        h.on_train_end(state)
+    return FitResult(state.params, state.opt_state, state.history, stopped, state.step)
+
+
+# ---------------------------------------------------------------------------
+# The parts of `fit`, in the order they run: check the arguments, resume, then per
+# epoch: its data, its steps, its history row.
+# ---------------------------------------------------------------------------
+
+
+def _check_fit_args(
+    train_data: Any, epochs: int, steps_per_epoch: int | None, eval_every: int, log_every: int
+) -> None:
     for name, v in (("epochs", epochs), ("eval_every", eval_every), ("log_every", log_every)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"fit: {name} must be a positive int, got {v!r}.")
@@ -342,21 +383,172 @@ def fit(
             f"epochs={epochs}. Pass a list or another re-iterable, a function epoch -> "
             "iterable, or steps_per_epoch=N to draw N batches per epoch from one stream."
         )
-    tqdm = _require("tqdm", "fit(progress=True)").tqdm if progress else None
 
-    hooks = [cb if isinstance(cb, Callback) else _FunctionCallback(cb) for cb in callbacks]
-    state = FitState(params, opt_state, has_eval=eval_fn is not None)
-    stopped = "completed"
-    stream = None
-    if steps_per_epoch is not None:
-        stream = iter(train_data(1) if callable(train_data) else train_data)
-        state.stream = stream
-    compile_s: float | None = None
-    compile_logged = False
 
-    def call_step(batch):
+@dataclasses.dataclass
+class _Timing:
+    """The timed steps of one epoch (all but the first step of the run)."""
+
+    steps: int = 0
+    examples: int = 0
+    start: float | None = None
+    elapsed: float | None = None
+
+    def row(self) -> dict[str, float]:
+        if self.elapsed is None or self.elapsed <= 0:
+            return {}
+        row = {"time/epoch_s": self.elapsed, "time/steps_per_s": self.steps / self.elapsed}
+        if self.examples:
+            row["time/examples_per_s"] = self.examples / self.elapsed
+        return row
+
+
+class _Run:
+    """One `fit` call: its configuration (`fit`'s arguments) and what carries over
+    between epochs."""
+
+    def __init__(
+        self,
+        step: Callable[..., Any],
+        state: FitState,
+        train_data: Any,
+        hooks: list[Callback],
+        *,
+        num_epochs: int,
+        steps_per_epoch: int | None,
+        eval_fn: Callable[[Any], dict[str, Any]] | None,
+        eval_every: int,
+        loggers: Sequence[Logger],
+        tqdm: Any,
+        log_every: int,
+        examples_per_step: int | None,
+    ):
+        self.step, self.state, self.train_data, self.hooks = step, state, train_data, hooks
+        self.num_epochs, self.steps_per_epoch = num_epochs, steps_per_epoch
+        self.eval_fn, self.eval_every, self.loggers = eval_fn, eval_every, loggers
+        self.tqdm, self.log_every, self.examples_per_step = tqdm, log_every, examples_per_step
+        self.stream: Iterator[Any] | None = None
+        if steps_per_epoch is not None:  # before on_train_begin: a callback may restore it
+            self.stream = iter(train_data(1) if callable(train_data) else train_data)
+            state.stream = self.stream
+        self.compile_s: float | None = None  # the first step call of this fit, waited for
+        self.compile_logged = False
+        self.first_epoch = 1  # resuming: the epochs before it are done ...
+        self.skip = 0  # ... and this many steps of the next one(s)
+
+    # -- the loop --------------------------------------------------------------
+
+    def epochs(self) -> str:
+        """Runs the epochs; returns why they ended (`FitResult.stopped`)."""
+        state = self.state
+        self._resume()
+        stopped = "completed"
+        for epoch in range(1, self.num_epochs + 1):  # numbered from 1 everywhere
+            data = self._epoch_data(epoch)
+            if data is None:
+                continue
+            state.epoch = epoch
+            step_metrics, timing = self._steps(epoch, *data)
+            if not step_metrics:
+                stopped = "data exhausted"
+                break
+            self._end_epoch(self._row(epoch, step_metrics, timing))
+            if state.stop_training:
+                break
+        if state.stop_training:
+            stopped = state.stop_reason or "stopped by a callback"
+        return stopped
+
+    def _resume(self) -> None:
+        """Takes the step the callbacks set; with a stream, finds its epoch and replays
+        the stream up to it unless a callback restored the stream's position."""
+        state = self.state
+        state.step = self.skip = _start_step(state.step)
+        if self.stream is None or not self.skip:
+            return
+        self.first_epoch, self.skip = divmod(self.skip, self.steps_per_epoch)
+        self.first_epoch += 1
+        if not state.stream_restored and self.first_epoch <= self.num_epochs:
+            for _ in _take(self.stream, state.step):
+                pass
+
+    def _epoch_data(self, epoch: int) -> tuple[Iterable[Any], int, int | None] | None:
+        """``(batches, done, total)`` for `epoch`: the batches still to run, the steps
+        of it already done, its length (if known); ``None`` for an epoch done in full."""
+        if self.stream is not None:
+            if epoch < self.first_epoch:
+                return None
+            done = self.skip if epoch == self.first_epoch else 0
+            return _take(self.stream, self.steps_per_epoch - done), done, self.steps_per_epoch
+        data = self.train_data
+        batches = data(epoch) if callable(data) else data
+        total = len(batches) if hasattr(batches, "__len__") else None
+        if not self.skip:
+            return batches, 0, total
+        rest, drawn = _skip(batches, self.skip, total)  # resuming: skip the done steps
+        if rest is None:  # the whole epoch was done
+            self.skip -= drawn
+            return None
+        done, self.skip = self.skip, 0
+        return rest, done, total
+
+    # -- one epoch ---------------------------------------------------------------
+
+    def _steps(
+        self, epoch: int, batches: Iterable[Any], done: int, total: int | None
+    ) -> tuple[list[dict[str, Any]], _Timing]:
+        """Runs the epoch's steps; returns their metrics and timing."""
+        state, timing = self.state, _Timing()
+        bar = self._bar(epoch, done, total)
+        step_metrics: list[dict[str, Any]] = []
+        try:
+            for batch, last_in_epoch in _mark_last(batches, done, total):
+                self._timed_step(batch, timing)
+                state.step += 1
+                state.last_in_epoch = last_in_epoch
+                step_metrics.append(state.metrics)
+                self._step_end(bar)
+                if state.stop_training:
+                    break
+        finally:
+            state.last_in_epoch = False
+            if bar is not None:
+                bar.close()
+        jax.block_until_ready(state.params)
+        if timing.start is not None:
+            timing.elapsed = time.perf_counter() - timing.start
+        return step_metrics, timing
+
+    def _bar(self, epoch: int, done: int, total: int | None) -> Any:
+        if self.tqdm is None:
+            return None
+        return self.tqdm(
+            total=total,
+            initial=done,
+            desc=f"epoch {epoch}/{self.num_epochs}",
+            leave=False,
+            unit="step",
+        )
+
+    def _timed_step(self, batch: Any, timing: _Timing) -> None:
+        """One step. The first of the run is waited for and timed as the compile time;
+        the others count towards the epoch's timing."""
+        if self.compile_s is None:
+            t0 = time.perf_counter()
+            self._call_step(batch)
+            jax.block_until_ready((self.state.params, self.state.metrics))
+            self.compile_s = time.perf_counter() - t0
+            return
+        if timing.start is None:
+            timing.start = time.perf_counter()
+        self._call_step(batch)
+        timing.steps += 1
+        timing.examples += self.examples_per_step or _examples(batch) or 0
+
+    def _call_step(self, batch: Any) -> None:
+        state = self.state
         args = batch if isinstance(batch, tuple) else (batch,)
-        out = step(state.params, state.opt_state, *args)
+        out = self.step(state.params, state.opt_state, *args)
         if not (isinstance(out, tuple) and len(out) == 3):
             raise TypeError(
                 "fit: step must return (params, opt_state, metrics), got "
@@ -366,112 +558,37 @@ def fit(
             )
         state.params, state.opt_state, state.metrics = out
 
-    try:
-        for h in hooks:
-            h.on_train_begin(state)
-        state.step = skip = _start_step(state.step)
-        first_epoch = 1  # of a stream: epochs before it are done; `skip` steps of it too
-        if stream is not None and skip:
-            first_epoch, skip = skip // steps_per_epoch + 1, skip % steps_per_epoch
-            if not state.stream_restored and first_epoch <= epochs:
-                for _ in _take(stream, state.step):  # replay the stream up to the step
-                    pass
-        for epoch in range(1, epochs + 1):  # numbered from 1 everywhere
-            if stream is not None:
-                if epoch < first_epoch:
-                    continue
-                done = skip if epoch == first_epoch else 0
-                batches: Iterable[Any] = _take(stream, steps_per_epoch - done)
-                total: int | None = steps_per_epoch
-            else:
-                batches = train_data(epoch) if callable(train_data) else train_data
-                total = len(batches) if hasattr(batches, "__len__") else None
-                done = 0
-                if skip:  # resuming: skip the steps of this epoch already done
-                    rest, drawn = _skip(batches, skip, total)
-                    if rest is None:  # the whole epoch was done
-                        skip -= drawn
-                        continue
-                    batches, done, skip = rest, skip, 0
-            state.epoch = epoch
-            bar = (
-                tqdm(
-                    total=total,
-                    initial=done,
-                    desc=f"epoch {epoch}/{epochs}",
-                    leave=False,
-                    unit="step",
-                )
-                if tqdm is not None
-                else None
-            )
-            step_metrics: list[dict[str, Any]] = []
-            n_timed = examples = 0
-            t_start = None
-            try:
-                for batch, last_in_epoch in _mark_last(batches, done, total):
-                    if compile_s is None:
-                        t0 = time.perf_counter()
-                        call_step(batch)
-                        jax.block_until_ready((state.params, state.metrics))
-                        compile_s = time.perf_counter() - t0
-                    else:
-                        if t_start is None:
-                            t_start = time.perf_counter()
-                        call_step(batch)
-                        n_timed += 1
-                        examples += examples_per_step or _examples(batch) or 0
-                    state.step += 1
-                    state.last_in_epoch = last_in_epoch
-                    step_metrics.append(state.metrics)
-                    if bar is not None:
-                        bar.update(1)
-                        if state.step % log_every == 0 and "loss" in state.metrics:
-                            bar.set_postfix(loss=f"{float(state.metrics['loss']):.4g}")
-                    for h in hooks:
-                        h.on_step_end(state)
-                    if state.stop_training:
-                        break
-            finally:
-                state.last_in_epoch = False
-                if bar is not None:
-                    bar.close()
-            jax.block_until_ready(state.params)
-            elapsed = None if t_start is None else time.perf_counter() - t_start
-            if not step_metrics:
-                stopped = "data exhausted"
-                break
-            row: dict[str, float] = {"epoch": epoch, "step": state.step}
-            row.update(_mean_rows(step_metrics))
-            last = epoch == epochs
-            if eval_fn is not None and (epoch % eval_every == 0 or last):
-                row.update(_to_row("eval", eval_fn(state.params), "eval_fn"))
-            if not compile_logged and compile_s is not None:  # the first row of this call
-                row["time/compile_s"] = compile_s
-                compile_logged = True
-            if elapsed is not None and elapsed > 0:
-                row["time/epoch_s"] = elapsed
-                row["time/steps_per_s"] = n_timed / elapsed
-                if examples:
-                    row["time/examples_per_s"] = examples / elapsed
-            row.update(_memory())
-            state.history.rows.append(row)
-            for lg in loggers:
-                lg.log(state.step, row)
-            for h in hooks:
-                h.on_epoch_end(state)
-            if state.stop_training:
-                break
-        if state.stop_training:
-            stopped = state.stop_reason or "stopped by a callback"
-    except KeyboardInterrupt:
-        stopped = "interrupted"
-    finally:
-        for lg in loggers:
-            lg.close()
-    for h in hooks:
-        h.on_train_end(state)
-    return FitResult(state.params, state.opt_state, state.history, stopped, state.step)
+    def _step_end(self, bar: Any) -> None:
+        state = self.state
+        if bar is not None:
+            bar.update(1)
+            if state.step % self.log_every == 0 and "loss" in state.metrics:
+                bar.set_postfix(loss=f"{float(state.metrics['loss']):.4g}")
+        for h in self.hooks:
+            h.on_step_end(state)
+
+    def _row(self, epoch: int, step_metrics: list[dict[str, Any]], timing: _Timing) -> dict:
+        """The epoch's history row: train means, eval, timing, memory."""
+        state = self.state
+        row: dict[str, float] = {"epoch": epoch, "step": state.step}
+        row.update(_mean_rows(step_metrics))
+        last = epoch == self.num_epochs
+        if self.eval_fn is not None and (epoch % self.eval_every == 0 or last):
+            row.update(_to_row("eval", self.eval_fn(state.params), "eval_fn"))
+        if not self.compile_logged and self.compile_s is not None:  # the call's first row
+            row["time/compile_s"] = self.compile_s
+            self.compile_logged = True
+        row.update(timing.row())
+        row.update(_memory())
+        return row
+
+    def _end_epoch(self, row: dict[str, float]) -> None:
+        state = self.state
+        state.history.rows.append(row)
+        for lg in self.loggers:
+            lg.log(state.step, row)
+        for h in self.hooks:
+            h.on_epoch_end(state)
 
 
 def _take(it, n):

@@ -72,6 +72,9 @@ def _regression_inputs(name: str, predictions: ArrayLike, targets: ArrayLike):
 def mse(predictions: ArrayLike, targets: ArrayLike, *, reduction: Reduction = "mean") -> jax.Array:
     """Mean squared error: ``mean((predictions - targets) ** 2)``.
 
+    Shapes: ``predictions [...]``, ``targets [...]`` (the same shape, never broadcast) ->
+    a scalar (``'mean'``, ``'sum'``) or ``[...]`` (``reduction='none'``).
+
     Args:
       predictions: any shape ``[...]``.
       targets: the same shape as `predictions`.
@@ -89,7 +92,10 @@ def mse(predictions: ArrayLike, targets: ArrayLike, *, reduction: Reduction = "m
 
 
 def mae(predictions: ArrayLike, targets: ArrayLike, *, reduction: Reduction = "mean") -> jax.Array:
-    """Mean absolute error: ``mean(|predictions - targets|)``. Shapes and dtypes as `mse`.
+    """Mean absolute error: ``mean(|predictions - targets|)``. Dtypes as `mse`.
+
+    Shapes: ``predictions [...]``, ``targets [...]`` (the same shape) -> a scalar, or
+    ``[...]`` with ``reduction='none'``.
 
     >>> import jax.numpy as jnp
     >>> float(mae(jnp.array([1.0, -3.0]), jnp.array([0.0, 0.0])))
@@ -101,6 +107,8 @@ def mae(predictions: ArrayLike, targets: ArrayLike, *, reduction: Reduction = "m
 
 def rmse(predictions: ArrayLike, targets: ArrayLike) -> jax.Array:
     """Root mean squared error: ``sqrt(mse(predictions, targets))`` (a scalar).
+
+    Shapes: ``predictions [...]``, ``targets [...]`` (the same shape) -> a scalar.
 
     The gradient at a perfect fit is NaN (``d sqrt(x) / dx`` at 0); train on `mse` and
     report `rmse` as a metric.
@@ -152,6 +160,8 @@ def normalized_mse(
     identification): each output channel's error is divided by that channel's standard
     deviation (typically the training-set std stored in the model).
 
+    Shapes: ``predictions [..., T, C]``, ``targets [..., T, C]``, ``std (C,)`` -> a scalar.
+
     Args:
       predictions: ``[..., T, C]`` (time on axis -2, channels last).
       targets: the same shape.
@@ -174,7 +184,8 @@ def normalized_mae(
 ) -> jax.Array:
     """MAE in per-channel normalized space: ``mean(|predictions - targets| / std)``.
 
-    Shapes, `std` and `n_skip` as in `normalized_mse`.
+    Shapes: ``predictions [..., T, C]``, ``targets [..., T, C]``, ``std (C,)`` -> a
+    scalar; `std` and `n_skip` as in `normalized_mse`.
 
     >>> import jax.numpy as jnp
     >>> p = jnp.zeros((1, 2, 2)); t = jnp.array([[[2.0, 10.0], [2.0, 10.0]]])
@@ -197,6 +208,9 @@ def softmax_cross_entropy(
     reduction: Reduction = "mean",
 ) -> jax.Array:
     """Softmax cross-entropy with integer or one-hot (probability) labels.
+
+    Shapes: ``logits [..., C]`` with integer ``labels [...]`` or probability
+    ``labels [..., C]`` -> a scalar, or ``[...]`` with ``reduction='none'``.
 
     ``loss_i = -sum_c q_ic * log_softmax(logits_i)_c`` with the target distribution
     ``q = (1 - label_smoothing) * onehot + label_smoothing * valid / n_valid``, where
@@ -318,6 +332,9 @@ def sigmoid_binary_cross_entropy(
     logits: ArrayLike, labels: ArrayLike, *, reduction: Reduction = "mean"
 ) -> jax.Array:
     """Binary cross-entropy on logits (sigmoid inside), PyTorch's ``BCEWithLogitsLoss``.
+
+    Shapes: ``logits [...]``, ``labels [...]`` (the same shape) -> a scalar, or ``[...]``
+    with ``reduction='none'``.
 
     ``loss = softplus(x) - x * z = max(x, 0) - x * z + log(1 + exp(-|x|))``, computed as
     ``jax.nn.softplus(x) - x * z`` so that the gradient is ``sigmoid(x) - z`` at every

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from blox.core import Graph, Params, Rng
-from blox.nn import Linear
-from blox.ts._models import RNNStack, SysIdModel
+from blox.ts._models import SysIdModel
 
 __all__ = ["ARModel", "ARState"]
 
@@ -27,6 +26,9 @@ class ARModel(SysIdModel):
     """An autoregressive recurrent model: each step sees ``[u_t, y_{t-1}]`` (normalized).
 
     Legend: B batch, T time, Cu input / Cy output channels, H ``hidden_size``.
+
+    Shapes: ``u [B, T, Cu]`` and measured ``y [B, T, Cy]`` (teacher forcing) ->
+    ``y_hat [B, T, Cy]``; `simulate`: ``u [B, T, Cu]`` -> ``y_hat [B, T, Cy]``.
 
     Step ``t``: ``x_t = [norm_u(u_t), norm_y(y_{t-1})]``, ``h_t = rnn(x_t, h_{t-1})``,
     ``y_hat_t = denorm_y(head(h_t))``. Where ``y_{t-1}`` comes from:
@@ -88,19 +90,8 @@ class ARModel(SysIdModel):
         super().__init__(
             graph, u_stats, y_stats, n_skip=n_skip, dtype=dtype, param_dtype=param_dtype
         )
-        self.rnn = RNNStack(
-            graph / "rnn",
-            hidden_size,
-            rng,
-            num_layers=num_layers,
-            cell=cell,
-            is_static=is_static,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
-        self.head = Linear(
-            graph / "head", self.num_outputs, rng, dtype=dtype, param_dtype=param_dtype
-        )
+        self.rnn = self._make_rnn(rng, hidden_size, num_layers, cell, is_static)
+        self.head = self._output_linear(rng)
 
     def initial_state(self, params: Params, u_t: ArrayLike) -> tuple[ARState, Params]:
         """``(state, params)``: zero recurrent states and ``y_last = 0`` (the mean)."""

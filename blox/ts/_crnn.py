@@ -10,9 +10,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from blox.core import Graph, Params, Rng
-from blox.nn import Linear
-from blox.ts._models import RNNStack, SysIdModel
-from blox.ts._tcn import TCNBlocks
+from blox.ts._models import SysIdModel
+from blox.ts._tcn import conv_front
 
 __all__ = ["CRNN"]
 
@@ -22,6 +21,8 @@ class CRNN(SysIdModel):
 
     Legend: B batch, T time, Cu input / Cy output channels, C ``channels``,
     H ``hidden_size``.
+
+    Shapes: ``u [B, T, Cu]`` -> ``y_hat [B, T, Cy]``, plus the recurrent state.
 
     ``y = denorm(head(rnn(TCNBlocks(norm(u)))))``: the causal convolutions extract local
     features over `receptive_field` samples, the recurrent layers carry the long memory.
@@ -78,26 +79,9 @@ class CRNN(SysIdModel):
         super().__init__(
             graph, u_stats, y_stats, n_skip=n_skip, dtype=dtype, param_dtype=param_dtype
         )
-        common = dict(dtype=dtype, param_dtype=param_dtype)
-        self.tcn = TCNBlocks(
-            graph / "tcn",
-            channels,
-            rng,
-            kernel_size=kernel_size,
-            dilations=dilations,
-            activation=activation,
-            **common,
-        )
-        self.rnn = RNNStack(
-            graph / "rnn",
-            hidden_size,
-            rng,
-            num_layers=num_layers,
-            cell=cell,
-            is_static=is_static,
-            **common,
-        )
-        self.head = Linear(graph / "head", self.num_outputs, rng, **common)
+        self.tcn = conv_front(self, rng, channels, kernel_size, dilations, activation)
+        self.rnn = self._make_rnn(rng, hidden_size, num_layers, cell, is_static)
+        self.head = self._output_linear(rng)
 
     @property
     def receptive_field(self) -> int:
@@ -106,20 +90,10 @@ class CRNN(SysIdModel):
 
     def initial_state(self, params: Params, u_t: ArrayLike) -> tuple[Any, Params]:
         """``(state, params)``: zeros for every recurrent layer, for ``u_t`` ``[B, Cu]``."""
-        z, params = self.u_norm(params, jnp.asarray(u_t))
-        return self.rnn.initial_state(params, z)
+        return self._zero_rnn_state(params, u_t)
 
-    def __call__(
-        self,
-        params: Params,
-        u: ArrayLike,
-        prev_state: Any = None,
-        is_reset: ArrayLike | None = None,
-    ) -> tuple[tuple[jax.Array, Any], Params]:
-        """Raw ``u`` ``[B, T, Cu]`` -> ``((y [B, T, Cy], state), params)``."""
-        z, params = self.u_norm(params, self._u(u))
+    def _core(self, params, z, prev_state, is_reset):
         h, params = self.tcn(params, z)
         (h, state), params = self.rnn(params, h, prev_state, is_reset)
         out, params = self.head(params, h)
-        y, params = self.y_norm.denormalize(params, out)
-        return (y, state), params
+        return (out, state), params

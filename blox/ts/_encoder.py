@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from blox.core import Graph, Params, Rng
-from blox.nn import MLP, Linear
-from blox.ts._models import RNNStack, SysIdModel
+from blox.nn import MLP
+from blox.ts._models import SysIdModel
 
 __all__ = ["EncoderModel"]
 
@@ -22,6 +22,9 @@ class EncoderModel(SysIdModel):
 
     Legend: B batch, T time, Cu input / Cy output channels, n ``n_init``,
     H ``hidden_size``, L ``num_layers``.
+
+    Shapes: ``u [B, T, Cu]`` and ``y [B, T, Cy]`` (only its first n steps are read) ->
+    ``y_hat [B, T, Cy]``.
 
     An MLP maps the first n samples of normalized ``u`` and ``y`` (flattened,
     ``n (Cu + Cy)`` features) to the state of every recurrent layer at step n; the
@@ -90,25 +93,17 @@ class EncoderModel(SysIdModel):
                 f"Use n_skip >= {n_init} (or leave it None)."
             )
         self.n_init = n_init
-        common = dict(dtype=dtype, param_dtype=param_dtype)
-        self.rnn = RNNStack(
-            graph / "rnn",
-            hidden_size,
-            rng,
-            num_layers=num_layers,
-            cell=cell,
-            is_static=is_static,
-            **common,
-        )
+        self.rnn = self._make_rnn(rng, hidden_size, num_layers, cell, is_static)
         per_layer = 2 if cell == "lstm" else 1
         self.encoder = MLP(
             graph / "encoder",
             (*tuple(encoder_sizes), num_layers * per_layer * hidden_size),
             rng,
             activation=jnp.tanh,
-            **common,
+            dtype=dtype,
+            param_dtype=param_dtype,
         )
-        self.head = Linear(graph / "head", self.num_outputs, rng, **common)
+        self.head = self._output_linear(rng)
 
     def encode(self, params: Params, u: ArrayLike, y: ArrayLike) -> tuple[Any, Params]:
         """The recurrent state at step n from raw ``u[:, :n]`` and ``y[:, :n]``

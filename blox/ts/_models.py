@@ -65,6 +65,9 @@ class SysIdModel(Module):
     """Base class of the `blox.ts` models: internal normalization, ``n_skip``, and the
     ``forward`` / ``simulate`` / ``initial_state`` calls the recipes use.
 
+    Shapes (B batch, T time, Cu input / Cy output channels): ``forward`` and
+    ``simulate``: ``u [B, T, Cu]`` -> ``y_hat [B, T, Cy]``.
+
     Args:
       graph: this model's node.
       u_stats: input statistics: a `blox.data.ChannelStats` or a ``(mean, std)`` pair of
@@ -139,6 +142,64 @@ class SysIdModel(Module):
         (y_hat, _), params = self(params, u)
         return y_hat, params
 
+    def __call__(
+        self,
+        params: Params,
+        u: ArrayLike,
+        prev_state: Any = None,
+        is_reset: ArrayLike | None = None,
+    ) -> tuple[tuple[jax.Array, Any], Params]:
+        """Raw ``u`` ``[B, T, Cu]`` -> ``((y [B, T, Cy], state), params)``: ``u``
+        normalized, the model's `_core` on it, its output denormalized."""
+        z, params = self.u_norm(params, self._u(u))
+        (out, state), params = self._core(params, z, prev_state, is_reset)
+        y, params = self.y_norm.denormalize(params, out)
+        return (y, state), params
+
+    # -- for the subclasses ------------------------------------------------------
+
+    def _core(
+        self, params: Params, z: jax.Array, prev_state: Any, is_reset: ArrayLike | None
+    ) -> tuple[tuple[jax.Array, Any], Params]:
+        """Normalized ``z`` ``[B, T, Cu]`` -> ``((out [B, T, Cy], state), params)``,
+        ``out`` in normalized units: what a model of raw ``u`` alone implements (models
+        that also read ``y`` override ``__call__`` instead)."""
+        raise NotImplementedError(
+            f"{self._where}: {type(self).__name__} must implement _core(params, z, "
+            "prev_state, is_reset) -> ((out, state), params) or override __call__."
+        )
+
+    def _make_rnn(
+        self, rng: Rng | None, hidden_size: int, num_layers: int, cell: str, is_static: bool
+    ) -> RNNStack:
+        """The `RNNStack` at ``<path>/rnn``, in this model's dtypes."""
+        return RNNStack(
+            self.graph / "rnn",
+            hidden_size,
+            rng,
+            num_layers=num_layers,
+            cell=cell,
+            is_static=is_static,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
+
+    def _output_linear(self, rng: Rng | None, name: str = "head", **kwargs: Any) -> Linear:
+        """A `Linear` at ``<path>/<name>`` to the Cy outputs, in this model's dtypes."""
+        return Linear(
+            self.graph / name,
+            self.num_outputs,
+            rng,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            **kwargs,
+        )
+
+    def _zero_rnn_state(self, params: Params, u_t: ArrayLike) -> tuple[Any, Params]:
+        """Zeros for every layer of ``self.rnn``, for ``u_t`` ``[B, Cu]``."""
+        z, params = self.u_norm(params, jnp.asarray(u_t))
+        return self.rnn.initial_state(params, z)
+
 
 class RNNStack(Module):
     """Stacked recurrent layers (GRU, LSTM or simple RNN), each feeding the next.
@@ -212,6 +273,8 @@ class RNNModel(SysIdModel):
 
     Legend: B batch, T time, Cu input channels, Cy output channels, H ``hidden_size``.
 
+    Shapes: ``u [B, T, Cu]`` -> ``y_hat [B, T, Cy]``, plus the state (one per layer).
+
     ``y = denorm(head(rnn(norm(u))) + skip(norm(u)))``: the input normalized with the
     stored statistics, `num_layers` stacked recurrent layers, a linear head, an optional
     linear skip from the normalized input to the output, and the output denormalized.
@@ -265,42 +328,18 @@ class RNNModel(SysIdModel):
         super().__init__(
             graph, u_stats, y_stats, n_skip=n_skip, dtype=dtype, param_dtype=param_dtype
         )
-        self.rnn = RNNStack(
-            graph / "rnn",
-            hidden_size,
-            rng,
-            num_layers=num_layers,
-            cell=cell,
-            is_static=is_static,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
-        common = dict(dtype=dtype, param_dtype=param_dtype)
-        self.head = Linear(graph / "head", self.num_outputs, rng, **common)
-        self.skip = (
-            Linear(graph / "skip", self.num_outputs, rng, use_bias=False, **common)
-            if linear_skip
-            else None
-        )
+        self.rnn = self._make_rnn(rng, hidden_size, num_layers, cell, is_static)
+        self.head = self._output_linear(rng)
+        self.skip = self._output_linear(rng, "skip", use_bias=False) if linear_skip else None
 
     def initial_state(self, params: Params, u_t: ArrayLike) -> tuple[Any, Params]:
         """``(state, params)``: zeros for every layer, for ``u_t`` ``[B, Cu]``."""
-        z, params = self.u_norm(params, jnp.asarray(u_t))
-        return self.rnn.initial_state(params, z)
+        return self._zero_rnn_state(params, u_t)
 
-    def __call__(
-        self,
-        params: Params,
-        u: ArrayLike,
-        prev_state: Any = None,
-        is_reset: ArrayLike | None = None,
-    ) -> tuple[tuple[jax.Array, Any], Params]:
-        """Raw ``u`` ``[B, T, Cu]`` -> ``((y [B, T, Cy], state), params)``."""
-        z, params = self.u_norm(params, self._u(u))
+    def _core(self, params, z, prev_state, is_reset):
         (h, state), params = self.rnn(params, z, prev_state, is_reset)
         out, params = self.head(params, h)
         if self.skip is not None:
             s, params = self.skip(params, z)
             out = out + s.astype(out.dtype)
-        y, params = self.y_norm.denormalize(params, out)
-        return (y, state), params
+        return (out, state), params

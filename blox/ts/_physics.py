@@ -104,6 +104,8 @@ class PINN(SysIdModel):
 
     Legend: N time points, C output channels.
 
+    Shapes: ``t [N]`` -> ``x [N, C]``.
+
     ``x(t) = denorm(MLP(norm(t)))`` with a smooth activation (tanh), so its time
     derivatives exist and `time_derivatives` computes them exactly. Trained on sparse
     measurements plus `physics_loss` at collocation points (no measurement needed there).

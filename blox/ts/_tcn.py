@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from blox.core import Graph, Module, Params, Rng
-from blox.nn import Conv, Linear
+from blox.nn import Conv
 from blox.ts._models import SysIdModel
 
 __all__ = ["TCN", "TCNBlocks"]
@@ -123,6 +123,8 @@ class TCN(SysIdModel):
 
     Legend: B batch, T time, Cu input / Cy output channels, C ``channels``.
 
+    Shapes: ``u [B, T, Cu]`` -> ``y_hat [B, T, Cy]`` (the state is ``None``).
+
     ``y = denorm(head(TCNBlocks(norm(u))))``. Causal: output ``t`` depends on ``u``
     at ``t - R + 1 .. t`` only (``R`` = `receptive_field`, reported), so the first
     ``R - 1`` outputs of a window see zero-padded history: set ``n_skip >= R - 1`` to
@@ -140,7 +142,9 @@ class TCN(SysIdModel):
       n_skip: warm-up steps excluded from the loss.
       dtype, param_dtype: see `SysIdModel`.
 
-    Returns (``model(params, u)``): ``((y [B, T, Cy], None), params)``.
+    Returns (``model(params, u)``): ``((y [B, T, Cy], None), params)``. ``prev_state``
+    must be ``None`` (the model keeps no state); ``is_reset`` is accepted for the
+    recipes' common call and ignored.
 
     Parameters: the normalizers, ``<path>/tcn/...`` (`TCNBlocks`) and
     ``<path>/head/{kernel,bias}`` ``(C, Cy)``, ``(Cy,)``.
@@ -172,44 +176,43 @@ class TCN(SysIdModel):
         super().__init__(
             graph, u_stats, y_stats, n_skip=n_skip, dtype=dtype, param_dtype=param_dtype
         )
-        self.tcn = TCNBlocks(
-            graph / "tcn",
-            channels,
-            rng,
-            kernel_size=kernel_size,
-            dilations=dilations,
-            activation=activation,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
-        self.head = Linear(
-            graph / "head", self.num_outputs, rng, dtype=dtype, param_dtype=param_dtype
-        )
+        self.tcn = conv_front(self, rng, channels, kernel_size, dilations, activation)
+        self.head = self._output_linear(rng)
 
     @property
     def receptive_field(self) -> int:
         """The receptive field of the convolution stack, in samples."""
         return self.tcn.receptive_field
 
-    def __call__(
-        self,
-        params: Params,
-        u: ArrayLike,
-        prev_state: Any = None,
-        is_reset: ArrayLike | None = None,
-    ) -> tuple[tuple[jax.Array, None], Params]:
-        """Raw ``u`` ``[B, T, Cu]`` -> ``((y [B, T, Cy], None), params)``.
-
-        ``prev_state`` must be ``None`` (the model keeps no state); ``is_reset`` is
-        accepted for the recipes' common call and ignored."""
+    def _core(self, params, z, prev_state, is_reset):
+        # ``is_reset`` is accepted for the recipes' common call and ignored.
         if prev_state is not None:
             raise TypeError(
                 f"{self._where}: a TCN keeps no state between calls, got a prev_state of "
                 f"type {type(prev_state).__name__}; pass None (truncated BPTT does not "
                 "apply: give the TCN whole windows of at least receptive_field samples)."
             )
-        z, params = self.u_norm(params, self._u(u))
         h, params = self.tcn(params, z)
         out, params = self.head(params, h)
-        y, params = self.y_norm.denormalize(params, out)
-        return (y, None), params
+        return (out, None), params
+
+
+def conv_front(
+    model: SysIdModel,
+    rng: Rng | None,
+    channels: int,
+    kernel_size: int,
+    dilations: Sequence[int],
+    activation: Callable[[jax.Array], jax.Array],
+) -> TCNBlocks:
+    """The `TCNBlocks` at ``<model's path>/tcn`` in the model's dtypes (`TCN`, `CRNN`)."""
+    return TCNBlocks(
+        model.graph / "tcn",
+        channels,
+        rng,
+        kernel_size=kernel_size,
+        dilations=dilations,
+        activation=activation,
+        dtype=model.dtype,
+        param_dtype=model.param_dtype,
+    )

@@ -22,13 +22,13 @@ import torch
 import torch.nn.functional as F
 
 import blox as bx
-from tests.nn.test_reference_torch import (
+from tests.nn.torch_reference import (
     TORCH_DTYPES,
-    _assert_close,
-    _grads,
-    _load,
-    _np,
-    _precision,
+    assert_close,
+    dtype_context,
+    jit_grads,
+    load_weights,
+    to_np,
 )
 from tests.tolerances import tol
 
@@ -86,28 +86,28 @@ def test_attention_matches_torch_multihead_attention(dtype, mode):
 
     if cross:
         wq, wk, wv = ref.q_proj_weight, ref.k_proj_weight, ref.v_proj_weight
-        gq, gk, gv = (_np(w.grad).T for w in (wq, wk, wv))
+        gq, gk, gv = (to_np(w.grad).T for w in (wq, wk, wv))
     else:
         wq, wk, wv = ref.in_proj_weight.chunk(3)
-        gq, gk, gv = (a.T for a in np.split(_np(ref.in_proj_weight.grad), 3))
-    bq, bk, bv = np.split(_np(ref.in_proj_bias), 3)
-    gbq, gbk, gbv = np.split(_np(ref.in_proj_bias.grad), 3)
+        gq, gk, gv = (a.T for a in np.split(to_np(ref.in_proj_weight.grad), 3))
+    bq, bk, bv = np.split(to_np(ref.in_proj_bias), 3)
+    gbq, gbk, gbv = np.split(to_np(ref.in_proj_bias.grad), 3)
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         g, rng, params = _seeded()
         attn = bx.MultiHeadAttention(g / "attn", d, n, rng, param_dtype=dtype)
         _, params = attn(params, jnp.zeros((1, 2, d), dtype), jnp.zeros((1, 3, dc), dtype))
         weights = {
-            (*P, "query", "kernel"): _np(wq).T.copy(),
-            (*P, "key", "kernel"): _np(wk).T.copy(),
-            (*P, "value", "kernel"): _np(wv).T.copy(),
-            (*P, "out", "kernel"): _np(ref.out_proj.weight).T.copy(),
+            (*P, "query", "kernel"): to_np(wq).T.copy(),
+            (*P, "key", "kernel"): to_np(wk).T.copy(),
+            (*P, "value", "kernel"): to_np(wv).T.copy(),
+            (*P, "out", "kernel"): to_np(ref.out_proj.weight).T.copy(),
             (*P, "query", "bias"): bq,
             (*P, "key", "bias"): bk,
             (*P, "value", "bias"): bv,
-            (*P, "out", "bias"): _np(ref.out_proj.bias),
+            (*P, "out", "bias"): to_np(ref.out_proj.bias),
         }
-        params = _load(params, weights)
+        params = load_weights(params, weights)
 
         def run(params, x, c):
             return attn(
@@ -120,29 +120,29 @@ def test_attention_matches_torch_multihead_attention(dtype, mode):
             )[0]
 
         y = run(params, jnp.asarray(x), jnp.asarray(c))
-        _assert_close(y, _np(y_t), dtype, f"attention output ({mode})")
+        assert_close(y, to_np(y_t), dtype, f"attention output ({mode})")
 
         def loss(params, x, c):
             return jnp.sum(run(params, x, c) * jnp.asarray(r))
 
-        g_params, g_x, g_c = _grads(loss, params, jnp.asarray(x), jnp.asarray(c))
+        g_params, g_x, g_c = jit_grads(loss, params, jnp.asarray(x), jnp.asarray(c))
 
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x")
     if cross:
-        _assert_close(g_c, _np(c_t.grad), dtype, "d/d context")
+        assert_close(g_c, to_np(c_t.grad), dtype, "d/d context")
     expected = {
         (*P, "query", "kernel"): gq,
         (*P, "key", "kernel"): gk,
         (*P, "value", "kernel"): gv,
-        (*P, "out", "kernel"): _np(ref.out_proj.weight.grad).T,
+        (*P, "out", "kernel"): to_np(ref.out_proj.weight.grad).T,
         (*P, "query", "bias"): gbq,
         (*P, "key", "bias"): gbk,
         (*P, "value", "bias"): gbv,
-        (*P, "out", "bias"): _np(ref.out_proj.bias.grad),
+        (*P, "out", "bias"): to_np(ref.out_proj.bias.grad),
     }
     assert set(g_params.keys()) == set(expected)
     for path, want in expected.items():
-        _assert_close(g_params[path].value, want, dtype, f"d/d {'/'.join(path[2:])}")
+        assert_close(g_params[path].value, want, dtype, f"d/d {'/'.join(path[2:])}")
 
 
 # ---------------------------------------------------------------------------
@@ -198,7 +198,7 @@ def test_grouped_query_rope_attention_matches_torch_sdpa(dtype):
     y_t = a.transpose(1, 2).reshape(b, t, n * h) @ w_t["out"]
     (y_t * torch.tensor(r, dtype=tdt)).sum().backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         g, rng, params = _seeded()
         attn = bx.MultiHeadAttention(
             g / "attn",
@@ -212,19 +212,19 @@ def test_grouped_query_rope_attention_matches_torch_sdpa(dtype):
             param_dtype=dtype,
         )
         _, params = attn(params, jnp.zeros((1, 2, d), dtype))
-        params = _load(params, {(*P, name, "kernel"): v for name, v in w.items()})
+        params = load_weights(params, {(*P, name, "kernel"): v for name, v in w.items()})
 
         def run(params, x):
             return attn(params, x, mask=jnp.asarray(mask), is_training=False)[0]
 
-        _assert_close(run(params, jnp.asarray(x)), _np(y_t), dtype, "GQA + RoPE output")
-        g_params, g_x = _grads(
+        assert_close(run(params, jnp.asarray(x)), to_np(y_t), dtype, "GQA + RoPE output")
+        g_params, g_x = jit_grads(
             lambda p, x: jnp.sum(run(p, x) * jnp.asarray(r)), params, jnp.asarray(x)
         )
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x")
     for name in w:
-        _assert_close(
-            g_params[(*P, name, "kernel")].value, _np(w_t[name].grad), dtype, f"d/d {name}"
+        assert_close(
+            g_params[(*P, name, "kernel")].value, to_np(w_t[name].grad), dtype, f"d/d {name}"
         )
 
 
@@ -283,7 +283,7 @@ def test_mask_rank_says_what_it_holds_vs_numpy(batch, dtype):
     per_seq = rs.random((batch, t, t)) > 0.5
     per_head = rs.random((batch, n, t, t)) > 0.5
     per_seq[..., 0] = per_head[..., 0] = True  # every query sees at least one key
-    with _precision(dtype):
+    with dtype_context(dtype):
         g, rng, params = _seeded()
         attn = bx.MultiHeadAttention(g / "attn", d, n, rng, param_dtype=dtype)
         _, params = attn(params, jnp.asarray(x, dtype), is_training=False)
@@ -299,7 +299,7 @@ def test_mask_rank_says_what_it_holds_vs_numpy(batch, dtype):
         for name, (mask, mask4) in cases.items():
             y = run(params, jnp.asarray(x, dtype), jnp.asarray(mask))
             want = _numpy_attention(x, w, bias, n, np.broadcast_to(mask4, (batch, n, t, t)))
-            _assert_close(y, want.astype(dtype), dtype, f"mask {name}")
+            assert_close(y, want.astype(dtype), dtype, f"mask {name}")
 
 
 # ---------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""`Conv` / `ConvTranspose` contract: parameters, layouts, batch axes, padding rules against
-hand-written ``jax.lax`` calls, causality, transformations, dtypes and errors.
+"""`Conv` / `ConvTranspose`: parameters, layouts, batch axes, padding rules against
+hand-written ``jax.lax`` calls, causality, dtypes and errors (jit, vmap, grad, bf16,
+float64 and sharding run over the table in ``test_layer_contract.py``).
 `ConvTranspose` kernels: jax-blox 0.1.6's semantics (its ``lax.conv_transpose`` call with
 its dimension numbers written out, grouped as per-group calls) and Flax's (its
 ``lax.conv_transpose`` defaults), and the flip relating the two kernel modes.
@@ -13,12 +14,13 @@ from __future__ import annotations
 import functools
 import re
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import blox as bx
 from tests.tolerances import tol
@@ -417,72 +419,7 @@ def test_any_number_of_batch_axes(cls, channels_first, batch):
     )
 
 
-# ----------------------------------------------------------------------------- transformations
-
-
-LAYERS = {
-    "Conv2d": (lambda g, r: Conv(g / "conv", (3, 3), 4, r, 2), (2, 6, 6, 3)),
-    "Conv1d-depthwise": (
-        lambda g, r: Conv(g / "conv", 3, 6, r, padding="CAUSAL", feature_group_count=3),
-        (2, 7, 3),
-    ),
-    "ConvTranspose2d": (
-        lambda g, r: ConvT(g / "conv", (3, 3), 4, r, 2, feature_group_count=2),
-        (2, 3, 3, 2),
-    ),
-}
-
-
-@pytest.mark.parametrize("name", sorted(LAYERS))
-def test_jit_vmap_grad_eval_shape_and_no_retrace(name):
-    make, shape = LAYERS[name]
-    x = _normal(shape)
-    layer, params = _init(make, x)
-    y, p_out = layer(params, x)
-    assert p_out is params
-    y_jit, p_jit = jax.jit(layer)(params, x)
-    np.testing.assert_allclose(np.asarray(y_jit), np.asarray(y), **tol("float32"))
-    chex.assert_trees_all_equal_shapes_and_dtypes(p_jit, params)
-    assert jax.tree.structure(p_jit) == jax.tree.structure(params)
-    out = jax.eval_shape(layer, params, x)
-    assert out[0].shape == y.shape and out[0].dtype == y.dtype
-    ys, _ = jax.jit(jax.vmap(layer, in_axes=(None, 0)))(params, jnp.stack([x, 2 * x]))
-    np.testing.assert_allclose(np.asarray(ys[0]), np.asarray(y), **tol("float32"))
-    train, rest = params.split()
-    grads = jax.jit(jax.grad(lambda t: jnp.sum(layer(t.merge(rest), x)[0] ** 2)))(train)
-    assert jax.tree.structure(grads) == jax.tree.structure(train)
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
-
-    chex.clear_trace_counter()
-
-    @jax.jit
-    @chex.assert_max_traces(n=1)
-    def step(params, x):
-        return layer(params, x)
-
-    _, params = step(params, x)
-    _, params = step(params, x)
-
-
-@pytest.mark.parametrize("name", sorted(LAYERS))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float64], ids=["bf16", "f64"])
-def test_params_cast_to_other_float_widths(name, dtype):
-    make, shape = LAYERS[name]
-    with jax.enable_x64(dtype == jnp.float64):
-        x = _normal(shape)
-        layer, params = _init(make, x)
-        f = jax.jit(layer)
-        ref, _ = f(params, x)
-        cast = jax.tree.map(
-            lambda v: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, params
-        )
-        y, _ = f(cast, x.astype(dtype))
-        assert y.dtype == dtype
-        t = 5e-2 if dtype == jnp.bfloat16 else 1e-5
-        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref), rtol=t, atol=t)
-        # f32 params with a bf16 input compute in f32 (promotion), explicit dtype= wins.
-        if dtype == jnp.bfloat16:
-            assert jax.eval_shape(layer, params, x.astype(dtype))[0].dtype == jnp.float32
+# ----------------------------------------------------------------------------- dtypes
 
 
 def test_explicit_compute_dtype_and_precision():
@@ -490,9 +427,80 @@ def test_explicit_compute_dtype_and_precision():
     layer, params = _init(lambda g, r: Conv(g / "conv", 3, 4, r, dtype=jnp.bfloat16), x)
     assert layer(params, x)[0].dtype == jnp.bfloat16
     assert _kernel(params).dtype == jnp.float32
+    # Without dtype=, f32 params with a bf16 input compute in f32 (promotion).
+    plain = Conv(bx.Graph("net") / "conv", 3, 4, None)
+    assert jax.eval_shape(plain, params, x.astype(jnp.bfloat16))[0].dtype == jnp.float32
     layer, params = _init(lambda g, r: Conv(g / "conv", 3, 4, r), x)
     hi, _ = layer(params, x, precision=lax.Precision.HIGHEST)
     np.testing.assert_allclose(np.asarray(hi), np.asarray(layer(params, x)[0]), **tol("float32"))
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def _mesh(kind):
+    t = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}[kind]
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(t, t))
+
+
+# kernel spec, input spec, inferred output spec on an Explicit mesh
+CONV_SHARDINGS = {
+    "column": (P(None, None, None, "model"), P("data"), P("data", None, None, "model")),
+    "row": (
+        P(None, None, "model", None),
+        P("data", None, None, "model"),
+        P("data", None, None, None),
+    ),
+    "row-column": (
+        P(None, None, "data", "model"),
+        P(None, None, None, "data"),
+        P(None, None, None, "model"),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+@pytest.mark.parametrize("case", sorted(CONV_SHARDINGS))
+def test_conv_on_sharded_kernels_infers_or_takes_the_output_sharding(kind, case):
+    """JAX infers a convolution's output sharding only for a replicated kernel and
+    unsharded input channels; the layer infers the rest (batch kept, channels following
+    the kernel's when free) and honours ``out_sharding``. Reference: the unsharded run."""
+    k_spec, x_spec, expected = CONV_SHARDINGS[case]
+    mesh = _mesh(kind)
+    x = _normal((2, 6, 6, 8))
+    layer, params = _init(lambda g, r: Conv(g / "conv", (3, 3), 8, r), x)
+    ref, _ = layer(params, x, precision=lax.Precision.HIGHEST)
+    specs = {"net/conv/kernel": k_spec}
+    ps = jax.device_put(
+        params,
+        jax.tree_util.tree_map_with_path(
+            lambda kp, _: NamedSharding(mesh, specs.get(kp[0].key, P())), params
+        ),
+    )
+    xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+    hi = lax.Precision.HIGHEST
+    y, _ = jax.jit(lambda p, a: layer(p, a, precision=hi))(ps, xs)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), **tol("float32"))
+    if kind == "explicit":
+        assert jax.typeof(y).sharding.spec == expected
+    want = NamedSharding(mesh, P(None, None, "data", None))
+    y2, _ = jax.jit(lambda p, a: layer(p, a, precision=hi, out_sharding=want))(ps, xs)
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(ref), **tol("float32"))
+    assert y2.sharding.is_equivalent_to(want, 4), (y2.sharding, want)
+
+
+def test_conv_out_sharding_errors_name_the_layer_and_the_fix():
+    x = _normal((2, 5, 5, 3))
+    layer, params = _init(lambda g, r: ConvT(g / "conv", (3, 3), 4, r), x)
+    with pytest.raises(TypeError, match=r"ConvTranspose 'net/conv': out_sharding must be a"):
+        layer(params, x, out_sharding="data")
+    with pytest.raises(ValueError, match=r"'net/conv': out_sharding=.* no mesh is set.*set_mesh"):
+        layer(params, x, out_sharding=P("data"))
+    mesh = _mesh("explicit")
+    with pytest.raises(ValueError, match=r"has 5 entries but the output has 4 dims"):
+        layer(params, x, out_sharding=NamedSharding(mesh, P("data", None, None, None, None)))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"names mesh axis 'tensor'"):
+        layer(params, x, out_sharding=P(None, "tensor"))
 
 
 def test_repr_names_the_path_and_changed_arguments():

@@ -27,7 +27,6 @@ Tolerances: ``tests/tolerances.py`` (float32 ``rtol=1e-5, atol=1e-6``; float64
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 from dataclasses import dataclass
 
@@ -39,15 +38,11 @@ import torch
 import torch.nn.functional as F
 
 import blox as bx
+from tests.nn.torch_reference import TORCH_DTYPES, dtype_context, to_np
 from tests.tolerances import tol
 
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
-
-
-def _precision(dtype: str):
-    return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -228,7 +223,7 @@ def torch_weight_to_kernel(w: torch.Tensor, transpose: bool, groups: int, tk: bo
         grouped = w.reshape(groups, cin // groups, cout_g, *k)
         s3 = tuple(range(3, 3 + n))
         out = grouped.flip(s3).permute(*s3, 0, 2, 1).reshape(*k, groups * cout_g, cin // groups)
-    return out.detach().numpy()
+    return to_np(out)
 
 
 def _check(case: Case, transpose: bool, channels_first: bool, dtype: str, tk: bool = True) -> None:
@@ -248,10 +243,9 @@ def _check(case: Case, transpose: bool, channels_first: bool, dtype: str, tk: bo
     ct = torch.randn(ref.shape, generator=gen, dtype=tdt)
     (ref * ct).sum().backward()
 
-    to_np = lambda t: t.detach().numpy()  # noqa: E731
     to_kernel = lambda t: torch_weight_to_kernel(t, transpose, case.groups, tk)  # noqa: E731
     move = (lambda a: a) if channels_first else (lambda a: np.moveaxis(a, 1, -1))
-    with _precision(dtype):
+    with dtype_context(dtype):
         g = bx.Graph("net")
         rng = bx.Rng(g / "rng")
         kw = dict(

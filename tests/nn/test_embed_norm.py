@@ -19,13 +19,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import blox as bx
-from tests.nn.test_reference_torch import (
+from tests.nn.torch_reference import (
     TORCH_DTYPES,
-    _assert_close,
-    _grads,
-    _load,
-    _np,
-    _precision,
+    assert_close,
+    dtype_context,
+    jit_grads,
+    load_weights,
+    to_np,
 )
 from tests.tolerances import tol
 
@@ -63,25 +63,25 @@ def test_embed_lookup_and_attend_match_torch(dtype):
     a_t = x_t @ ref.weight.T
     ((e_t * torch.tensor(r1)).sum() + (a_t * torch.tensor(r2)).sum()).backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         g, rng, params = _seeded()
         embed = bx.Embed(g / "embed", v, d, rng, param_dtype=dtype)
         _, params = embed(params, jnp.zeros((1,), jnp.int32))
-        params = _load(params, {("net", "embed", "embedding"): _np(ref.weight)})
+        params = load_weights(params, {("net", "embed", "embedding"): to_np(ref.weight)})
         e, _ = embed(params, jnp.asarray(idx))
         a, _ = embed.attend(params, jnp.asarray(x))
-        _assert_close(e, _np(e_t), dtype, "Embed lookup")
-        _assert_close(a, _np(a_t), dtype, "Embed.attend")
+        assert_close(e, to_np(e_t), dtype, "Embed lookup")
+        assert_close(a, to_np(a_t), dtype, "Embed.attend")
 
         def loss(params, x):
             e, params = embed(params, jnp.asarray(idx))
             a, _ = embed.attend(params, x)
             return jnp.sum(e * jnp.asarray(r1)) + jnp.sum(a * jnp.asarray(r2))
 
-        g_params, g_x = _grads(loss, params, jnp.asarray(x))
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x")
-    _assert_close(
-        g_params[("net", "embed", "embedding")].value, _np(ref.weight.grad), dtype, "d/d table"
+        g_params, g_x = jit_grads(loss, params, jnp.asarray(x))
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x")
+    assert_close(
+        g_params[("net", "embed", "embedding")].value, to_np(ref.weight.grad), dtype, "d/d table"
     )
 
 
@@ -187,7 +187,7 @@ def test_norms_match_torch(dtype, kind, use_scale, use_bias):
     y_t = ref(x_t)
     (y_t * torch.tensor(r)).sum().backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         g, rng, params = _seeded()
         if kind == "layer":
             norm = bx.LayerNorm(
@@ -198,27 +198,27 @@ def test_norms_match_torch(dtype, kind, use_scale, use_bias):
         _, params = norm(params, jnp.zeros((1, d), dtype))
         weights = {}
         if use_scale:
-            weights[("net", "norm", "scale")] = _np(ref.weight)
+            weights[("net", "norm", "scale")] = to_np(ref.weight)
         if use_bias:
-            weights[("net", "norm", "bias")] = _np(ref.bias)
-        params = _load(params, weights)
+            weights[("net", "norm", "bias")] = to_np(ref.bias)
+        params = load_weights(params, weights)
         assert set(params.keys()) == {("net", "rng", "seed"), ("net", "rng", "counter"), *weights}
         y, _ = norm(params, jnp.asarray(x))
-        _assert_close(y, _np(y_t), dtype, f"{kind} norm output")
+        assert_close(y, to_np(y_t), dtype, f"{kind} norm output")
 
         def loss(params, x):
             y, _ = norm(params, x)
             return jnp.sum(y * jnp.asarray(r))
 
-        g_params, g_x = _grads(loss, params, jnp.asarray(x))
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x")
+        g_params, g_x = jit_grads(loss, params, jnp.asarray(x))
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x")
     if use_scale:
-        _assert_close(
-            g_params[("net", "norm", "scale")].value, _np(ref.weight.grad), dtype, "d/d scale"
+        assert_close(
+            g_params[("net", "norm", "scale")].value, to_np(ref.weight.grad), dtype, "d/d scale"
         )
     if use_bias:
-        _assert_close(
-            g_params[("net", "norm", "bias")].value, _np(ref.bias.grad), dtype, "d/d bias"
+        assert_close(
+            g_params[("net", "norm", "bias")].value, to_np(ref.bias.grad), dtype, "d/d bias"
         )
 
 
@@ -280,7 +280,7 @@ def _grouped_norm_case(kind):
     weights = {("net", "n", "scale"): np.array([0.5, 1.0, 1.5], np.float32)}
     if kind == "layer":
         weights[("net", "n", "bias")] = np.array([-0.3, 0.0, 0.2], np.float32)
-    params = _load(params, weights)
+    params = load_weights(params, weights)
     rs = np.random.default_rng(4)
     x = (2.0 + 3.0 * rs.standard_normal((8, 2, 3))).astype(np.float32)
     r = rs.standard_normal((8, 2, 3)).astype(np.float32)
@@ -307,11 +307,11 @@ def _torch_grouped(kind, weights, x, r):
             yg = torch.nn.functional.rms_norm(xg, (12,), w, eps=1e-5)
         rg = torch.tensor(np.concatenate(list(r[grp]), axis=-1), dtype=torch.float64)
         (yg * rg).sum().backward()
-        y[grp] = np.stack(np.split(_np(yg), 4, axis=-1))
-        gx[grp] = np.stack(np.split(_np(xg.grad), 4, axis=-1))
-        g_w[("net", "n", "scale")] += _np(w.grad).reshape(4, 3).sum(0)
+        y[grp] = np.stack(np.split(to_np(yg), 4, axis=-1))
+        gx[grp] = np.stack(np.split(to_np(xg.grad), 4, axis=-1))
+        g_w[("net", "n", "scale")] += to_np(w.grad).reshape(4, 3).sum(0)
         if kind == "layer":
-            g_w[("net", "n", "bias")] += _np(b.grad).reshape(4, 3).sum(0)
+            g_w[("net", "n", "bias")] += to_np(b.grad).reshape(4, 3).sum(0)
     return y, gx, g_w
 
 

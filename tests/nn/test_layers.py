@@ -1,12 +1,13 @@
-"""Layer contract tests: shared checks over a descriptor table, scans as a pair, errors.
+"""Linear, MLP, LSTM, Dropout and Sequential: scans as a pair, resets, errors, stored
+weights, signatures.
 
-Numerics against PyTorch live in ``test_reference_torch.py``.
+The shared checks (jit, vmap, grad, eval_shape, dtypes, no retrace, sharding) run over
+the descriptor table in ``test_layer_contract.py``; numerics against PyTorch live in
+``test_reference_torch.py``.
 """
 
 import inspect
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import chex
 import jax
@@ -15,144 +16,6 @@ import numpy as np
 import pytest
 
 import blox as bx
-
-
-@dataclass(frozen=True)
-class Descriptor:
-    """One layer: how to build it and an example input shape/dtype."""
-
-    name: str
-    build: Callable  # (graph, rng) -> (module, call) where call(params, x) -> (y, params)
-    shape: tuple
-    dtype: object = jnp.float32
-
-
-def _linear(g, rng):
-    m = bx.Linear(g / "m", 5, rng)
-    return m, m
-
-
-def _mlp(g, rng):
-    m = bx.MLP(g / "m", (7, 3), rng)
-    return m, m
-
-
-def _sequential(g, rng):
-    m = bx.Sequential(
-        g / "m", [bx.Linear(g / "a", 4, rng), jax.nn.relu, bx.Dropout(g / "d", 0.5, rng)]
-    )
-    return m, lambda p, x: m(p, x, is_training=True)
-
-
-def _dropout(g, rng):
-    m = bx.Dropout(g / "m", 0.3, rng)
-    return m, m
-
-
-def _lstm(g, rng, is_static=False):
-    m = bx.LSTM(g / "m", 6, rng, is_static=is_static)
-    return m, lambda p, x: m.apply(p, x)[0][0], m
-
-
-DESCRIPTORS = [
-    Descriptor("Linear", _linear, (4, 3)),
-    Descriptor("MLP", _mlp, (4, 3)),
-    Descriptor("Sequential", _sequential, (4, 3)),
-    Descriptor("Dropout", _dropout, (4, 3)),
-    Descriptor("LSTM", lambda g, r: _lstm(g, r)[:2], (2, 5, 3)),
-]
-
-
-def _call_fn(call):
-    def f(p, x):
-        out = call(p, x)
-        return out if isinstance(out, tuple) and isinstance(out[-1], bx.Params) else (out, p)
-
-    return f
-
-
-def _setup(desc, dtype=None):
-    g = bx.Graph("net")
-    rng = bx.Rng(g / "rng")
-    _, call = desc.build(g, rng)
-    x = jax.random.normal(jax.random.key(0), desc.shape, dtype or desc.dtype)
-    params = rng.seed(bx.Params(), seed=0)
-    if desc.name == "LSTM":
-        lstm = g.children["m"].module
-        (_, _), params = lstm.apply(params, x)
-        return lstm, (lambda p, x: lstm.apply(p, x)), params.locked(), x
-    _, params = call(params, x)
-    return None, call, params.locked(), x
-
-
-@pytest.mark.parametrize("desc", DESCRIPTORS, ids=lambda d: d.name)
-def test_jit_matches_eager_and_params_keep_their_tree(desc):
-    _, call, params, x = _setup(desc)
-    y_eager, p_eager = call(params, x)
-    y_jit, p_jit = jax.jit(call)(params, x)
-    chex.assert_trees_all_close(y_jit, y_eager, rtol=1e-5, atol=1e-6)
-    for p in (p_eager, p_jit):
-        assert jax.tree.structure(p) == jax.tree.structure(params)
-        chex.assert_trees_all_equal_shapes_and_dtypes(p, params)
-
-
-@pytest.mark.parametrize("desc", DESCRIPTORS, ids=lambda d: d.name)
-def test_no_retrace_over_two_steps(desc):
-    _, call, params, x = _setup(desc)
-    chex.clear_trace_counter()  # the counter is keyed by code location, shared by params
-
-    @jax.jit
-    @chex.assert_max_traces(n=1)
-    def step(params, x):
-        return call(params, x)
-
-    _, params = step(params, x)
-    _, params = step(params, x)
-
-
-@pytest.mark.parametrize("desc", DESCRIPTORS, ids=lambda d: d.name)
-def test_eval_shape_grad_and_vmap(desc):
-    _, call, params, x = _setup(desc)
-    out_shape = jax.eval_shape(call, params, x)
-    y, _ = call(params, x)
-    chex.assert_trees_all_equal_shapes_and_dtypes(out_shape[0], y)
-    t, nt = params.split()
-
-    def loss(t):
-        out, _ = call(t.merge(nt), x)
-        out = out[0] if isinstance(out, tuple) else out
-        return jnp.sum(out**2)
-
-    if t.keys():
-        grads = jax.grad(loss)(t)
-        assert jax.tree.structure(grads) == jax.tree.structure(t)
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
-    # vmap over an extra leading axis of the input with replicated params.
-    xs = jnp.stack([x, 2 * x])
-    ys, _ = jax.vmap(call, in_axes=(None, 0))(params, xs)
-    leaf = jax.tree.leaves(ys)[0]
-    assert leaf.shape[0] == 2
-
-
-@pytest.mark.parametrize(
-    "desc", [d for d in DESCRIPTORS if d.name != "Dropout"], ids=lambda d: d.name
-)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float64], ids=["bf16", "f64"])
-def test_params_cast_to_other_float_widths(desc, dtype):
-    """bf16 / float64 params and inputs run and compute in that dtype."""
-    with jax.enable_x64(dtype == jnp.float64):
-        _, call, params, x = _setup(desc)
-        cast = jax.tree.map(
-            lambda v: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, params
-        )
-        y, new = call(cast, x.astype(dtype))
-        y = y[0] if isinstance(y, tuple) else y
-        assert y.dtype == dtype
-        ref, _ = call(params, x)
-        ref = ref[0] if isinstance(ref, tuple) else ref
-        tol = 5e-2 if dtype == jnp.bfloat16 else 1e-5
-        np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=tol, atol=tol)
-
 
 # ----------------------------------------------------------------------------- scans
 
@@ -357,8 +220,9 @@ def test_lstm_initial_state_is_a_pair_and_prev_state_is_checked():
         lstm.apply(params, x, prev_state=jnp.zeros((2, 4)))
     with pytest.raises(
         ValueError,
-        match=r"prev_state must hold hidden and cell of shape \[B, H\] = \(2, 4\), got hidden: "
-        r"array of shape \(2, 4\), cell: array of shape \(3, 4\)",
+        match=r"prev_state must be an LSTMState\(hidden, cell\) with hidden and cell \[B, H\] "
+        r"= \(2, 4\), got LSTMState with hidden: array of shape \(2, 4\), cell: array of shape "
+        r"\(3, 4\)",
     ):
         lstm(params, x[:, 0], bx.LSTMState(jnp.zeros((2, 4)), jnp.zeros((3, 4))))
     # A plain (hidden, cell) pair of arrays is accepted and gives the LSTMState's numbers.

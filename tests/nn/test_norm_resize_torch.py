@@ -17,8 +17,6 @@ tol(float64).
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,41 +25,21 @@ import torch
 import torch.nn.functional as F
 
 import blox as bx
-from tests.tolerances import tol
+from tests.nn.torch_reference import (
+    TORCH_DTYPES,
+    assert_close,
+    dtype_context,
+    load_weights,
+    to_last,
+    to_np,
+)
 
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 NORM_GRAD_TOL_F32 = dict(rtol=1e-4, atol=1e-5)
 
 
-def _precision(dtype: str):
-    return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()
-
-
 def _close(actual, expected, dtype: str, what: str, grad: bool = False) -> None:
-    actual = np.asarray(actual)
-    expected = np.asarray(expected)
-    assert actual.dtype == np.dtype(dtype), f"{what}: dtype {actual.dtype}, expected {dtype}"
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} vs {expected.shape}"
-    t = NORM_GRAD_TOL_F32 if (grad and dtype == "float32") else tol(dtype)
-    np.testing.assert_allclose(actual, expected, **t, err_msg=what)
-
-
-def _to_last(a: np.ndarray) -> np.ndarray:
-    """NC... -> N...C."""
-    return np.moveaxis(a, 1, -1)
-
-
-def _load(params: bx.Params, weights: dict) -> bx.Params:
-    out = params.unlocked()
-    for path, value in weights.items():
-        old = params[path]
-        assert old.value.shape == value.shape, (path, old.value.shape, value.shape)
-        out[path] = bx.Param(jnp.asarray(value, old.value.dtype), old.trainable, old.metadata)
-    return out.locked()
+    t = NORM_GRAD_TOL_F32 if (grad and dtype == "float32") else None
+    assert_close(actual, expected, dtype, what, tolerance=t)
 
 
 # ---------------------------------------------------------------------------
@@ -97,9 +75,9 @@ def test_batchnorm_matches_torch_over_training_steps_then_eval(
         with torch.no_grad():
             ref.weight.copy_(torch.tensor(rs.uniform(0.5, 1.5, c)))
             ref.bias.copy_(torch.tensor(rs.standard_normal(c)))
-    layout = (lambda a: a) if channels_first else _to_last
+    layout = (lambda a: a) if channels_first else to_last
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         g = bx.Graph("net")
         bn = bx.BatchNorm(
             g / "bn",
@@ -116,9 +94,9 @@ def test_batchnorm_matches_torch_over_training_steps_then_eval(
         _, base = bn(bx.Params(), zeros, is_training=False)
         weights = {}
         if affine:
-            weights[("net", "bn", "scale")] = _np(ref.weight)
-            weights[("net", "bn", "bias")] = _np(ref.bias)
-        params = _load(base, weights)
+            weights[("net", "bn", "scale")] = to_np(ref.weight)
+            weights[("net", "bn", "bias")] = to_np(ref.bias)
+        params = load_weights(base, weights, cast=True)
         expected = {("net", "bn", "running_mean"), ("net", "bn", "running_var"), *weights}
         assert set(params.keys()) == expected
         assert not params[("net", "bn", "running_mean")].trainable
@@ -141,32 +119,32 @@ def test_batchnorm_matches_torch_over_training_steps_then_eval(
             (g_train, g_x), (y, params) = grad_fn(
                 train, rest, jnp.asarray(layout(x)), jnp.asarray(layout(r))
             )
-            _close(y, layout(_np(y_t)), dtype, f"step {step} output")
-            _close(g_x, layout(_np(x_t.grad)), dtype, f"step {step} d/dx", grad=True)
+            _close(y, layout(to_np(y_t)), dtype, f"step {step} output")
+            _close(g_x, layout(to_np(x_t.grad)), dtype, f"step {step} d/dx", grad=True)
             if affine:
                 _close(
                     g_train[("net", "bn", "scale")].value,
-                    _np(ref.weight.grad),
+                    to_np(ref.weight.grad),
                     dtype,
                     f"step {step} d/dscale",
                     grad=True,
                 )
                 _close(
                     g_train[("net", "bn", "bias")].value,
-                    _np(ref.bias.grad),
+                    to_np(ref.bias.grad),
                     dtype,
                     f"step {step} d/dbias",
                     grad=True,
                 )
             _close(
                 params[("net", "bn", "running_mean")].value,
-                _np(ref.running_mean),
+                to_np(ref.running_mean),
                 dtype,
                 f"step {step} running_mean",
             )
             _close(
                 params[("net", "bn", "running_var")].value,
-                _np(ref.running_var),
+                to_np(ref.running_var),
                 dtype,
                 f"step {step} running_var (unbiased)",
             )
@@ -187,12 +165,12 @@ def test_batchnorm_matches_torch_over_training_steps_then_eval(
         (g_train, g_x), (y, after) = jax.grad(eval_loss, argnums=(0, 2), has_aux=True)(
             train, rest, jnp.asarray(layout(x)), jnp.asarray(layout(r))
         )
-        _close(y, layout(_np(y_t)), dtype, "eval output")
-        _close(g_x, layout(_np(x_t.grad)), dtype, "eval d/dx", grad=True)
+        _close(y, layout(to_np(y_t)), dtype, "eval output")
+        _close(g_x, layout(to_np(x_t.grad)), dtype, "eval d/dx", grad=True)
         if affine:
             _close(
                 g_train[("net", "bn", "scale")].value,
-                _np(ref.weight.grad),
+                to_np(ref.weight.grad),
                 dtype,
                 "eval d/dscale",
                 grad=True,
@@ -234,9 +212,9 @@ def test_groupnorm_matches_torch(shape, groups, channels_first, dtype, affine):
     x_t = torch.tensor(x, requires_grad=True)
     y_t = ref(x_t)
     (y_t * torch.tensor(r)).sum().backward()
-    layout = (lambda a: a) if channels_first else _to_last
+    layout = (lambda a: a) if channels_first else to_last
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         g = bx.Graph("net")
         gn = bx.GroupNorm(
             g / "gn",
@@ -250,30 +228,30 @@ def test_groupnorm_matches_torch(shape, groups, channels_first, dtype, affine):
         weights = {}
         if affine:
             weights = {
-                ("net", "gn", "scale"): _np(ref.weight),
-                ("net", "gn", "bias"): _np(ref.bias),
+                ("net", "gn", "scale"): to_np(ref.weight),
+                ("net", "gn", "bias"): to_np(ref.bias),
             }
         assert set(params.keys()) == set(weights)
-        params = _load(params, weights)
+        params = load_weights(params, weights, cast=True)
 
         def loss(params, x):
             y, _ = gn(params, x)
             return jnp.sum(y * jnp.asarray(layout(r)))
 
         y, _ = gn(params, jnp.asarray(layout(x)))
-        _close(y, layout(_np(y_t)), dtype, "GroupNorm output")
+        _close(y, layout(to_np(y_t)), dtype, "GroupNorm output")
         g_p, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, jnp.asarray(layout(x)))
-        _close(g_x, layout(_np(x_t.grad)), dtype, "GroupNorm d/dx", grad=True)
+        _close(g_x, layout(to_np(x_t.grad)), dtype, "GroupNorm d/dx", grad=True)
         if affine:
             _close(
                 g_p[("net", "gn", "scale")].value,
-                _np(ref.weight.grad),
+                to_np(ref.weight.grad),
                 dtype,
                 "d/dscale",
                 grad=True,
             )
             _close(
-                g_p[("net", "gn", "bias")].value, _np(ref.bias.grad), dtype, "d/dbias", grad=True
+                g_p[("net", "gn", "bias")].value, to_np(ref.bias.grad), dtype, "d/dbias", grad=True
             )
 
 
@@ -328,23 +306,23 @@ def test_resize_matches_torch_interpolate(shape, kw, torch_kw, channels_first):
     y_t = F.interpolate(x_t, **torch_kw)
     r = rs.standard_normal(tuple(y_t.shape))
     (y_t * torch.tensor(r)).sum().backward()
-    layout = (lambda a: a) if channels_first else _to_last
-    with _precision(dtype):
+    layout = (lambda a: a) if channels_first else to_last
+    with dtype_context(dtype):
 
         def f(x):
             return bx.resize(x, channels_first=channels_first, **kw)
 
         y = f(jnp.asarray(layout(x)))
-        _close(y, layout(_np(y_t)), dtype, "resize output")
+        _close(y, layout(to_np(y_t)), dtype, "resize output")
         g_x = jax.grad(lambda x: jnp.sum(f(x) * jnp.asarray(layout(r))))(jnp.asarray(layout(x)))
-        _close(g_x, layout(_np(x_t.grad)), dtype, "resize d/dx")
+        _close(g_x, layout(to_np(x_t.grad)), dtype, "resize d/dx")
 
 
 def test_upsample_is_torch_nn_upsample_x2_nearest_float32():
     rs = np.random.default_rng(4)
     x = rs.standard_normal((2, 4, 3, 5)).astype("float32")
     y_t = torch.nn.Upsample(scale_factor=2, mode="nearest")(torch.tensor(x))
-    _close(bx.upsample(jnp.asarray(_to_last(x))), _to_last(_np(y_t)), "float32", "upsample")
+    _close(bx.upsample(jnp.asarray(to_last(x))), to_last(to_np(y_t)), "float32", "upsample")
 
 
 # ---------------------------------------------------------------------------
@@ -398,11 +376,11 @@ def test_activation_matches_torch_functional(name):
         x_t = torch.tensor(xd, requires_grad=True)
         y_t = TORCH_ACTIVATIONS[name](x_t)
         y_t.sum().backward()
-        with _precision(dtype):
+        with dtype_context(dtype):
             y = fn(jnp.asarray(xd))
             g = jax.grad(lambda v: jnp.sum(fn(v)))(jnp.asarray(xd))
-            _close(y, _np(y_t), dtype, f"{name} {dtype}")
-            expected = _np(x_t.grad)
+            _close(y, to_np(y_t), dtype, f"{name} {dtype}")
+            expected = to_np(x_t.grad)
             if name == "hardsigmoid" and dtype == "float64":
                 # PyTorch's float64 hardsigmoid backward uses 1/6 rounded to float32
                 # (0.1666666716...); the reference here is the closed form.
@@ -434,24 +412,26 @@ def test_prelu_matches_torch(num, channels_first):
     r = rs.standard_normal(x.shape)
     (ref(x_t) * torch.tensor(r)).sum().backward()
     y_t = ref(torch.tensor(x))
-    layout = (lambda a: a) if channels_first else _to_last
-    with _precision(dtype):
+    layout = (lambda a: a) if channels_first else to_last
+    with dtype_context(dtype):
         act = bx.PReLU(
             bx.Graph("net") / "act", num, channels_first=channels_first, param_dtype=dtype
         )
         _, params = act(bx.Params(), jnp.asarray(layout(x)))
-        params = _load(params, {("net", "act", "negative_slope"): _np(ref.weight)})
+        params = load_weights(
+            params, {("net", "act", "negative_slope"): to_np(ref.weight)}, cast=True
+        )
         y, _ = act(params, jnp.asarray(layout(x)))
-        _close(y, layout(_np(y_t)), dtype, "PReLU output")
+        _close(y, layout(to_np(y_t)), dtype, "PReLU output")
 
         def loss(p, x):
             return jnp.sum(act(p, x)[0] * jnp.asarray(layout(r)))
 
         g_p, g_x = jax.grad(loss, argnums=(0, 1))(params, jnp.asarray(layout(x)))
-        _close(g_x, layout(_np(x_t.grad)), dtype, "PReLU d/dx")
+        _close(g_x, layout(to_np(x_t.grad)), dtype, "PReLU d/dx")
         _close(
             g_p[("net", "act", "negative_slope")].value,
-            _np(ref.weight.grad),
+            to_np(ref.weight.grad),
             dtype,
             "PReLU d/dslope",
         )

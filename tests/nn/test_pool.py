@@ -14,7 +14,6 @@ same half-precision values), not to a fixed tolerance.
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import blox as bx
+from tests.nn.torch_reference import TORCH_DTYPES, dtype_context, to_np
 from tests.tolerances import tol
 
 MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -129,24 +129,23 @@ def blox_pool(case: PoolCase, x, channels_first: bool):
 
 
 def _check(case: PoolCase, channels_first: bool, dtype: str) -> None:
-    tdt = {"float32": torch.float32, "float64": torch.float64}[dtype]
+    tdt = TORCH_DTYPES[dtype]
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     x = torch.randn((2, 3) + case.spatial, generator=gen, dtype=tdt, requires_grad=True)
     ref = torch_pool(case, x)
     ct = torch.randn(ref.shape, generator=gen, dtype=tdt)
     (ref * ct).sum().backward()
     move = (lambda a: a) if channels_first else (lambda a: np.moveaxis(a, 1, -1))
-    ctx = jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
-    with ctx:
-        xb = jnp.asarray(move(x.detach().numpy()))
+    with dtype_context(dtype):
+        xb = jnp.asarray(move(to_np(x)))
         ctb = jnp.asarray(move(ct.numpy()))
         y = blox_pool(case, xb, channels_first)
-        expected = move(ref.detach().numpy())
+        expected = move(to_np(ref))
         assert y.dtype == jnp.dtype(dtype) and y.shape == expected.shape, (y.shape, expected.shape)
         np.testing.assert_allclose(np.asarray(y), expected, **tol(dtype), err_msg="forward")
         grad = jax.jit(jax.grad(lambda x: jnp.sum(blox_pool(case, x, channels_first) * ctb)))(xb)
         np.testing.assert_allclose(
-            np.asarray(grad), move(x.grad.numpy()), **tol(dtype), err_msg="d/dx"
+            np.asarray(grad), move(to_np(x.grad)), **tol(dtype), err_msg="d/dx"
         )
 
 
@@ -174,25 +173,23 @@ def test_global_pools_match_torch(n, channels_first):
     adaptive_avg = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
     adaptive_max = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
     move = (lambda a: a) if channels_first else (lambda a: np.moveaxis(a, 1, -1))
-    xb = jnp.asarray(move(x.detach().numpy()))
+    xb = jnp.asarray(move(to_np(x)))
     for fn, ref_fn in [(bx.global_avg_pool, adaptive_avg), (bx.global_max_pool, adaptive_max)]:
         x.grad = None
         ref = ref_fn[n](x, 1)
         ct = torch.randn(ref.shape, generator=gen)
         (ref * ct).sum().backward()
         y = fn(xb, n, channels_first=channels_first)
-        np.testing.assert_allclose(
-            np.asarray(y), ref.detach().numpy().reshape(2, 3), **tol("float32")
-        )
+        np.testing.assert_allclose(np.asarray(y), to_np(ref).reshape(2, 3), **tol("float32"))
         kept = fn(xb, n, channels_first=channels_first, keepdims=True)
-        assert kept.shape == move(ref.detach().numpy()).shape
+        assert kept.shape == move(to_np(ref)).shape
         ctb = jnp.asarray(ct.numpy().reshape(2, 3))
 
         def loss(x, fn=fn, ctb=ctb):
             return jnp.sum(fn(x, n, channels_first=channels_first) * ctb)
 
         grad = jax.grad(loss)(xb)
-        np.testing.assert_allclose(np.asarray(grad), move(x.grad.numpy()), **tol("float32"))
+        np.testing.assert_allclose(np.asarray(grad), move(to_np(x.grad)), **tol("float32"))
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -273,7 +270,7 @@ def test_avg_pool_half_precision_error_is_no_worse_than_torch(dtype, padding, co
         ("forward", y, y_torch, exact),
         ("d/dx", grad, x_half.grad, x64.grad),
     ]:
-        ref = ref.detach().numpy()
+        ref = to_np(ref)
         (mean_b, max_b), (mean_t, max_t) = (
             _errors(mine, ref),
             _errors(theirs.detach().double(), ref),
@@ -310,13 +307,6 @@ def test_avg_pool_float16_window_sums_do_not_overflow():
     np.testing.assert_allclose(np.asarray(y, np.float64), expected, **tol("float16"))
     g = bx.global_avg_pool(jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(g, np.float64), x64.mean((1, 2)), **tol("float16"))
-
-
-def test_pools_under_jit_and_vmap():
-    x = jax.random.normal(jax.random.key(2), (3, 2, 8, 8, 4))
-    f = jax.jit(lambda x: bx.avg_pool(bx.max_pool(x, (2, 2)), (3, 3), 1, "SAME"))
-    y = jax.vmap(f)(x)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(f(x)), **tol("float32"))
 
 
 # ----------------------------------------------------------------------------- errors

@@ -7,7 +7,8 @@ a scalar loss with respect to the inputs and to every weight.
 
 Tolerances: ``tests/tolerances.py`` ``tol(dtype)``, i.e. ``rtol=1e-5, atol=1e-6`` in float32
 and ``rtol=1e-10, atol=1e-12`` in float64. float64 runs inside ``jax.enable_x64(True)``
-(a context manager, so x64 never leaks into other tests).
+(a context manager, so x64 never leaks into other tests). The shared helpers (weight
+loading, conversions, comparisons) live in ``tests/nn/torch_reference.py``.
 
 Weight mapping (PyTorch -> blox):
 
@@ -19,8 +20,6 @@ Weight mapping (PyTorch -> blox):
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,53 +27,18 @@ import pytest
 import torch
 
 import blox as bx
+from tests.nn.torch_reference import (
+    DTYPES,
+    TORCH_DTYPES,
+    assert_close,
+    dtype_context,
+    jit_grads,
+    load_weights,
+    lstm_bias_from_torch,
+    lstm_kernel_from_torch,
+    to_np,
+)
 from tests.tolerances import tol
-
-DTYPES = ["float32", "float64"]
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-# PyTorch gate order is (i, f, g, o); blox's is (i, g, f, o).
-_TORCH_TO_BLOX_GATES = (0, 2, 1, 3)
-
-
-def _precision(dtype: str):
-    """x64 for float64 tests only, scoped to the test body."""
-    return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()
-
-
-def _assert_close(actual, expected, dtype: str, what: str) -> None:
-    actual = np.asarray(actual)
-    assert actual.dtype == np.dtype(dtype), f"{what}: dtype {actual.dtype}, expected {dtype}"
-    assert actual.shape == np.shape(expected), f"{what}: shape {actual.shape} vs {expected.shape}"
-    np.testing.assert_allclose(actual, expected, **tol(dtype), err_msg=what)
-
-
-def _load(params: bx.Params, weights: dict[tuple[str, ...], np.ndarray]) -> bx.Params:
-    """Copies `weights` into `params` (paths and shapes must already exist) and locks."""
-    assert set(weights) <= set(params.keys()), sorted(set(weights) - set(params.keys()))
-    out = params.unlocked()
-    for path, value in weights.items():
-        old = params[path]
-        assert old.value.shape == value.shape, (path, old.value.shape, value.shape)
-        assert old.value.dtype == value.dtype, (path, old.value.dtype, value.dtype)
-        out[path] = bx.Param(jnp.asarray(value), old.trainable, old.metadata)
-    return out.locked()
-
-
-def _grads(loss_fn, params: bx.Params, *args):
-    """Gradients of ``loss_fn(params, *args)`` w.r.t. the trainable params and `args`
-    (under ``jax.jit``; the forward checks run eagerly)."""
-    train, rest = params.split()
-
-    def f(train, *args):
-        return loss_fn(train.merge(rest), *args)
-
-    return jax.jit(jax.grad(f, argnums=tuple(range(1 + len(args)))))(train, *args)
-
 
 # ---------------------------------------------------------------------------
 # Linear
@@ -99,33 +63,33 @@ def test_linear_matches_torch(dtype, use_bias):
     y_t = ref(x_t)
     (y_t * torch.tensor(r)).sum().backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         g = bx.Graph("net")
         rng = bx.Rng(g / "rng")
         layer = bx.Linear(g / "fc", d_out, rng, use_bias=use_bias, param_dtype=dtype)
         _, params = layer(rng.seed(bx.Params(), seed=0), jnp.zeros((1, d_in), dtype))
-        weights = {("net", "fc", "kernel"): _np(ref.weight).T.copy()}
+        weights = {("net", "fc", "kernel"): to_np(ref.weight).T.copy()}
         if use_bias:
-            weights[("net", "fc", "bias")] = _np(ref.bias)
-        params = _load(params, weights)
+            weights[("net", "fc", "bias")] = to_np(ref.bias)
+        params = load_weights(params, weights)
         expected_paths = {("net", "rng", "seed"), ("net", "rng", "counter"), *weights}
         assert set(params.keys()) == expected_paths
 
         y, _ = layer(params, jnp.asarray(x))
-        _assert_close(y, _np(y_t), dtype, "Linear output")
+        assert_close(y, to_np(y_t), dtype, "Linear output")
 
         def loss(params, x):
             y, _ = layer(params, x)
             return jnp.sum(y * jnp.asarray(r))
 
-        g_params, g_x = _grads(loss, params, jnp.asarray(x))
+        g_params, g_x = jit_grads(loss, params, jnp.asarray(x))
 
-    _assert_close(g_x, _np(x_t.grad), dtype, "d loss / d x")
-    _assert_close(
-        g_params[("net", "fc", "kernel")].value, _np(ref.weight.grad).T, dtype, "d/d kernel"
+    assert_close(g_x, to_np(x_t.grad), dtype, "d loss / d x")
+    assert_close(
+        g_params[("net", "fc", "kernel")].value, to_np(ref.weight.grad).T, dtype, "d/d kernel"
     )
     if use_bias:
-        _assert_close(g_params[("net", "fc", "bias")].value, _np(ref.bias.grad), dtype, "d/d bias")
+        assert_close(g_params[("net", "fc", "bias")].value, to_np(ref.bias.grad), dtype, "d/d bias")
     assert set(g_params.keys()) == set(weights)
 
 
@@ -140,8 +104,8 @@ def test_torch_linear_weight_copied_without_transpose_is_named():
     rng = bx.Rng(g / "rng")
     layer = bx.Linear(g / "fc", 4, rng)
     _, params = layer(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 5)))
-    params[("net", "fc", "kernel")] = bx.Param(jnp.asarray(_np(ref.weight)))
-    params[("net", "fc", "bias")] = bx.Param(jnp.asarray(_np(ref.bias)))
+    params[("net", "fc", "kernel")] = bx.Param(jnp.asarray(to_np(ref.weight)))
+    params[("net", "fc", "bias")] = bx.Param(jnp.asarray(to_np(ref.bias)))
     with pytest.raises(
         ValueError,
         match=r"Parameter 'net/fc/kernel' is stored with shape \(4, 5\), but Linear 'net/fc' "
@@ -150,9 +114,9 @@ def test_torch_linear_weight_copied_without_transpose_is_named():
         r"bx\.Param\(weight\.T\)",
     ):
         layer(params, jnp.asarray(x))
-    params[("net", "fc", "kernel")] = bx.Param(jnp.asarray(_np(ref.weight).T.copy()))
+    params[("net", "fc", "kernel")] = bx.Param(jnp.asarray(to_np(ref.weight).T.copy()))
     y, _ = layer(params, jnp.asarray(x))
-    _assert_close(y, _np(ref(torch.tensor(x))), "float32", "Linear output after .T")
+    assert_close(y, to_np(ref(torch.tensor(x))), "float32", "Linear output after .T")
 
 
 def test_torch_lstm_weights_stacked_without_transpose_are_named():
@@ -161,7 +125,7 @@ def test_torch_lstm_weights_stacked_without_transpose_are_named():
     f, h = 3, 4
     ref = _torch_lstm(f, h, "float32")
     lstm, params = _blox_lstm(ref, f, h, "float32", is_static=False)
-    wrong = np.concatenate([_np(ref.weight_ih_l0), _np(ref.weight_hh_l0)], axis=1)
+    wrong = np.concatenate([to_np(ref.weight_ih_l0), to_np(ref.weight_hh_l0)], axis=1)
     assert wrong.shape == (4 * h, f + h)
     params = params.unlocked()
     params[("net", "lstm", "gates", "kernel")] = bx.Param(jnp.asarray(wrong))
@@ -214,7 +178,7 @@ def test_mlp_matches_torch(dtype, activation, torch_activation, activate_final):
     y_t = ref(x_t)
     (y_t * torch.tensor(r)).sum().backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         g = bx.Graph("net")
         rng = bx.Rng(g / "rng")
         mlp = bx.MLP(
@@ -228,47 +192,32 @@ def test_mlp_matches_torch(dtype, activation, torch_activation, activate_final):
         _, params = mlp(rng.seed(bx.Params(), seed=0), jnp.zeros((1, d_in), dtype))
         weights = {}
         for i, lin in enumerate(linears):
-            weights[("net", "mlp", f"linear_{i}", "kernel")] = _np(lin.weight).T.copy()
-            weights[("net", "mlp", f"linear_{i}", "bias")] = _np(lin.bias)
-        params = _load(params, weights)
+            weights[("net", "mlp", f"linear_{i}", "kernel")] = to_np(lin.weight).T.copy()
+            weights[("net", "mlp", f"linear_{i}", "bias")] = to_np(lin.bias)
+        params = load_weights(params, weights)
 
         y, _ = mlp(params, jnp.asarray(x))
-        _assert_close(y, _np(y_t), dtype, "MLP output")
+        assert_close(y, to_np(y_t), dtype, "MLP output")
 
         def loss(params, x):
             y, _ = mlp(params, x)
             return jnp.sum(y * jnp.asarray(r))
 
-        g_params, g_x = _grads(loss, params, jnp.asarray(x))
+        g_params, g_x = jit_grads(loss, params, jnp.asarray(x))
 
-    _assert_close(g_x, _np(x_t.grad), dtype, "d loss / d x")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d loss / d x")
     assert set(g_params.keys()) == set(weights)
     for i, lin in enumerate(linears):
         base = ("net", "mlp", f"linear_{i}")
-        _assert_close(
-            g_params[base + ("kernel",)].value, _np(lin.weight.grad).T, dtype, f"{base} kernel"
+        assert_close(
+            g_params[base + ("kernel",)].value, to_np(lin.weight.grad).T, dtype, f"{base} kernel"
         )
-        _assert_close(g_params[base + ("bias",)].value, _np(lin.bias.grad), dtype, f"{base} bias")
+        assert_close(g_params[base + ("bias",)].value, to_np(lin.bias.grad), dtype, f"{base} bias")
 
 
 # ---------------------------------------------------------------------------
 # LSTM
 # ---------------------------------------------------------------------------
-
-
-def _lstm_kernel_from_torch(w_ih: np.ndarray, w_hh: np.ndarray) -> np.ndarray:
-    """(4H, F) and (4H, H) in gate order i, f, g, o -> (F + H, 4H) in order i, g, f, o."""
-    ih = np.split(w_ih, 4, axis=0)
-    hh = np.split(w_hh, 4, axis=0)
-    top = np.concatenate([ih[j].T for j in _TORCH_TO_BLOX_GATES], axis=1)
-    bottom = np.concatenate([hh[j].T for j in _TORCH_TO_BLOX_GATES], axis=1)
-    return np.concatenate([top, bottom], axis=0)
-
-
-def _lstm_bias_from_torch(b: np.ndarray) -> np.ndarray:
-    """(4H,) in gate order i, f, g, o -> (4H,) in order i, g, f, o."""
-    parts = np.split(b, 4)
-    return np.concatenate([parts[j] for j in _TORCH_TO_BLOX_GATES])
 
 
 def _torch_lstm(f: int, h: int, dtype: str) -> torch.nn.LSTM:
@@ -282,9 +231,9 @@ def _blox_lstm(ref: torch.nn.LSTM, f: int, h: int, dtype: str, is_static: bool):
     rng = bx.Rng(g / "rng")
     lstm = bx.LSTM(g / "lstm", h, rng, is_static=is_static, param_dtype=dtype)
     _, params = lstm.apply(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f), dtype))
-    kernel = _lstm_kernel_from_torch(_np(ref.weight_ih_l0), _np(ref.weight_hh_l0))
-    bias = _lstm_bias_from_torch(_np(ref.bias_ih_l0) + _np(ref.bias_hh_l0))
-    params = _load(
+    kernel = lstm_kernel_from_torch(to_np(ref.weight_ih_l0), to_np(ref.weight_hh_l0))
+    bias = lstm_bias_from_torch(to_np(ref.bias_ih_l0) + to_np(ref.bias_hh_l0))
+    params = load_weights(
         params, {("net", "lstm", "gates", "kernel"): kernel, ("net", "lstm", "gates", "bias"): bias}
     )
     assert set(params.keys()) == {
@@ -300,16 +249,16 @@ def _check_lstm_grads(g_params, ref: torch.nn.LSTM, dtype: str) -> None:
     """blox gate-kernel/bias gradients against PyTorch's, mapped to blox's layout."""
     assert ref.weight_ih_l0.grad is not None
     # d/d bias_ih == d/d bias_hh == d/d (their sum), which is blox's single bias.
-    np.testing.assert_allclose(_np(ref.bias_ih_l0.grad), _np(ref.bias_hh_l0.grad), **tol(dtype))
-    _assert_close(
+    np.testing.assert_allclose(to_np(ref.bias_ih_l0.grad), to_np(ref.bias_hh_l0.grad), **tol(dtype))
+    assert_close(
         g_params[("net", "lstm", "gates", "kernel")].value,
-        _lstm_kernel_from_torch(_np(ref.weight_ih_l0.grad), _np(ref.weight_hh_l0.grad)),
+        lstm_kernel_from_torch(to_np(ref.weight_ih_l0.grad), to_np(ref.weight_hh_l0.grad)),
         dtype,
         "d/d gates/kernel",
     )
-    _assert_close(
+    assert_close(
         g_params[("net", "lstm", "gates", "bias")].value,
-        _lstm_bias_from_torch(_np(ref.bias_ih_l0.grad)),
+        lstm_bias_from_torch(to_np(ref.bias_ih_l0.grad)),
         dtype,
         "d/d gates/bias",
     )
@@ -347,16 +296,16 @@ def test_lstm_sequence_matches_torch(dtype, is_static, with_state):
     )
     loss_t.backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         lstm, params = _blox_lstm(ref, f, h, dtype, is_static)
         state0 = bx.LSTMState(jnp.asarray(h0), jnp.asarray(c0)) if with_state else None
 
         (out, state), new_params = lstm.apply(params, jnp.asarray(x), prev_state=state0)
         assert isinstance(state, bx.LSTMState)
         assert new_params.is_locked
-        _assert_close(out, _np(out_t), dtype, "LSTM outputs")
-        _assert_close(state.hidden, _np(hT_t[0]), dtype, "final h")
-        _assert_close(state.cell, _np(cT_t[0]), dtype, "final c")
+        assert_close(out, to_np(out_t), dtype, "LSTM outputs")
+        assert_close(state.hidden, to_np(hT_t[0]), dtype, "final h")
+        assert_close(state.cell, to_np(cT_t[0]), dtype, "final c")
 
         def loss(params, x, h0, c0):
             prev = bx.LSTMState(h0, c0) if with_state else None
@@ -367,15 +316,15 @@ def test_lstm_sequence_matches_torch(dtype, is_static, with_state):
                 + jnp.sum(state.cell * jnp.asarray(rc))
             )
 
-        g_params, g_x, g_h0, g_c0 = _grads(
+        g_params, g_x, g_h0, g_c0 = jit_grads(
             loss, params, jnp.asarray(x), jnp.asarray(h0), jnp.asarray(c0)
         )
 
-    _assert_close(g_x, _np(x_t.grad), dtype, "d loss / d x")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d loss / d x")
     _check_lstm_grads(g_params, ref, dtype)
     if with_state:
-        _assert_close(g_h0, _np(h0_t.grad[0]), dtype, "d loss / d h0")
-        _assert_close(g_c0, _np(c0_t.grad[0]), dtype, "d loss / d c0")
+        assert_close(g_h0, to_np(h0_t.grad[0]), dtype, "d loss / d h0")
+        assert_close(g_c0, to_np(c0_t.grad[0]), dtype, "d loss / d c0")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -404,26 +353,26 @@ def test_lstm_single_step_matches_torch_cell(dtype):
     h1_t, c1_t = cell(x_t, (h0_t, c0_t))
     ((h1_t * torch.tensor(rh)).sum() + (c1_t * torch.tensor(rc)).sum()).backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         lstm, params = _blox_lstm(ref, f, h, dtype, is_static=False)
         (out, state), _ = lstm(
             params, jnp.asarray(x), bx.LSTMState(jnp.asarray(h0), jnp.asarray(c0))
         )
-        _assert_close(out, _np(h1_t), dtype, "step output")
-        _assert_close(state.hidden, _np(h1_t), dtype, "step h")
-        _assert_close(state.cell, _np(c1_t), dtype, "step c")
+        assert_close(out, to_np(h1_t), dtype, "step output")
+        assert_close(state.hidden, to_np(h1_t), dtype, "step h")
+        assert_close(state.cell, to_np(c1_t), dtype, "step c")
 
         def loss(params, x, h0, c0):
             (_, state), _ = lstm(params, x, bx.LSTMState(h0, c0))
             return jnp.sum(state.hidden * jnp.asarray(rh)) + jnp.sum(state.cell * jnp.asarray(rc))
 
-        g_params, g_x, g_h0, g_c0 = _grads(
+        g_params, g_x, g_h0, g_c0 = jit_grads(
             loss, params, jnp.asarray(x), jnp.asarray(h0), jnp.asarray(c0)
         )
 
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x")
-    _assert_close(g_h0, _np(h0_t.grad), dtype, "d/d h0")
-    _assert_close(g_c0, _np(c0_t.grad), dtype, "d/d c0")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x")
+    assert_close(g_h0, to_np(h0_t.grad), dtype, "d/d h0")
+    assert_close(g_c0, to_np(c0_t.grad), dtype, "d/d c0")
     # LSTMCell's parameters carry the gradients here; copy them onto `ref` for the check.
     ref.weight_ih_l0.grad = cell.weight_ih.grad
     ref.weight_hh_l0.grad = cell.weight_hh.grad
@@ -499,7 +448,7 @@ def test_lstm_reset_matches_torch_segments(dtype, is_static, b, h):
         + (cT_t * torch.tensor(rc)).sum()
     ).backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         lstm, params = _blox_lstm(ref, f, h, dtype, is_static)
 
         def run(params, x, h0, c0):
@@ -508,9 +457,9 @@ def test_lstm_reset_matches_torch_segments(dtype, is_static, b, h):
             )
 
         (out, state), _ = run(params, jnp.asarray(x), jnp.asarray(h0), jnp.asarray(c0))
-        _assert_close(out, _np(out_t), dtype, "LSTM outputs with resets")
-        _assert_close(state.hidden, _np(hT_t), dtype, "final h with resets")
-        _assert_close(state.cell, _np(cT_t), dtype, "final c with resets")
+        assert_close(out, to_np(out_t), dtype, "LSTM outputs with resets")
+        assert_close(state.hidden, to_np(hT_t), dtype, "final h with resets")
+        assert_close(state.cell, to_np(cT_t), dtype, "final c with resets")
 
         def loss(params, x, h0, c0):
             (out, state), _ = run(params, x, h0, c0)
@@ -520,13 +469,13 @@ def test_lstm_reset_matches_torch_segments(dtype, is_static, b, h):
                 + jnp.sum(state.cell * jnp.asarray(rc))
             )
 
-        g_params, g_x, g_h0, g_c0 = _grads(
+        g_params, g_x, g_h0, g_c0 = jit_grads(
             loss, params, jnp.asarray(x), jnp.asarray(h0), jnp.asarray(c0)
         )
 
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x with resets")
-    _assert_close(g_h0, _np(h0_t.grad[0]), dtype, "d/d h0 with resets")
-    _assert_close(g_c0, _np(c0_t.grad[0]), dtype, "d/d c0 with resets")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x with resets")
+    assert_close(g_h0, to_np(h0_t.grad[0]), dtype, "d/d h0 with resets")
+    assert_close(g_c0, to_np(c0_t.grad[0]), dtype, "d/d c0 with resets")
     # Row 1 resets at t=0, so its initial state gets no gradient at all.
     np.testing.assert_array_equal(np.asarray(g_h0)[1], 0.0)
     _check_lstm_grads(g_params, ref, dtype)
@@ -543,9 +492,9 @@ def test_lstm_unlocked_params_match_torch(is_static):
     lstm, params = _blox_lstm(ref, f, h, "float32", is_static)
     (out, state), new_params = lstm.apply(params.unlocked(), jnp.asarray(x))
     assert not new_params.is_locked
-    _assert_close(out, _np(out_t), "float32", "outputs (unlocked)")
-    _assert_close(state.hidden, _np(hT_t[0]), "float32", "final h (unlocked)")
-    _assert_close(state.cell, _np(cT_t[0]), "float32", "final c (unlocked)")
+    assert_close(out, to_np(out_t), "float32", "outputs (unlocked)")
+    assert_close(state.hidden, to_np(hT_t[0]), "float32", "final h (unlocked)")
+    assert_close(state.cell, to_np(cT_t[0]), "float32", "final c (unlocked)")
 
 
 @pytest.mark.parametrize("is_static", [True, False], ids=["static", "dynamic"])
@@ -575,6 +524,6 @@ def test_lstm_reset_flags_bt1_match_torch_segments(is_static, locked, b, h):
         prev_state=bx.LSTMState(jnp.asarray(h0), jnp.asarray(c0)),
         is_reset=jnp.asarray(flags[..., None]),
     )
-    _assert_close(out, _np(out_t), "float32", "outputs, [B, T, 1] resets")
-    _assert_close(state.hidden, _np(hT_t), "float32", "final h, [B, T, 1] resets")
-    _assert_close(state.cell, _np(cT_t), "float32", "final c, [B, T, 1] resets")
+    assert_close(out, to_np(out_t), "float32", "outputs, [B, T, 1] resets")
+    assert_close(state.hidden, to_np(hT_t), "float32", "final h, [B, T, 1] resets")
+    assert_close(state.cell, to_np(cT_t), "float32", "final c, [B, T, 1] resets")

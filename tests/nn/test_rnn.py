@@ -1,5 +1,6 @@
 """Recurrent layers: MGU against NumPy, scans as a pair, resets, lengths, carried state,
-the layer contract (jit / vmap / grad / bf16 / no retrace), errors, benchmark smoke.
+errors, benchmark smoke. The shared layer checks (jit / vmap / grad / dtypes / no retrace /
+sharding) run over the table in ``test_layer_contract.py``.
 
 PyTorch references for GRU, SimpleRNN and Bidirectional live in ``test_rnn_torch.py``.
 Tolerances: ``tests/tolerances.py`` ``tol(dtype)``.
@@ -237,55 +238,6 @@ def test_scan_functions_take_lengths():
         )
         np.testing.assert_array_equal(out, ref)
         np.testing.assert_array_equal(final[:, 0], [15.0, 6.0 + 7.0])
-
-
-# ---------------------------------------------------------------------------
-# Layer contract: jit, eval_shape, grad, vmap, bf16, no retrace, params tree kept
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", CELLS[1:] + ["Bidirectional"])
-def test_layer_contract(kind):
-    layer, rng = _build(kind)
-    x = jax.random.normal(jax.random.key(5), (2, 5, 3))
-    params = _init(layer, rng, x)
-    call = lambda p, x: layer.apply(p, x)  # noqa: E731
-
-    out_shape = jax.eval_shape(call, params, x)
-    (y, state), new = call(params, x)
-    chex.assert_trees_all_equal_shapes_and_dtypes(out_shape, ((y, state), new))
-    chex.assert_trees_all_equal_shapes_and_dtypes(new, params)
-    width = 8 if kind == "Bidirectional" else 4
-    assert y.shape == (2, 5, width)
-
-    chex.clear_trace_counter()
-
-    @jax.jit
-    @chex.assert_max_traces(n=1)
-    def step(params, x):
-        return call(params, x)
-
-    _, p1 = step(params, x)
-    (y_jit, _), _ = step(p1, x)
-    chex.assert_trees_all_close(y_jit, y, **tol("float32"))
-
-    t, nt = params.split()
-    grads = jax.grad(lambda t: jnp.sum(call(t.merge(nt), x)[0][0] ** 2))(t)
-    assert jax.tree.structure(grads) == jax.tree.structure(t)
-    assert all(
-        bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads)
-    )
-
-    ys, _ = jax.vmap(call, in_axes=(None, 0))(params, jnp.stack([x, 2 * x]))
-    np.testing.assert_allclose(ys[0][0], y, **tol("float32"))
-
-    cast = jax.tree.map(
-        lambda v: v.astype(jnp.bfloat16) if jnp.issubdtype(v.dtype, jnp.floating) else v, params
-    )
-    (y16, s16), _ = call(cast, x.astype(jnp.bfloat16))
-    assert y16.dtype == jnp.bfloat16
-    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(s16))
-    np.testing.assert_allclose(np.asarray(y16, np.float32), y, rtol=5e-2, atol=5e-2)
 
 
 def test_parameter_layout_and_initializers():

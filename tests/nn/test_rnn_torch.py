@@ -25,16 +25,16 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import blox as bx
-from tests.nn.test_reference_torch import (
+from tests.nn.torch_reference import (
     DTYPES,
     TORCH_DTYPES,
-    _assert_close,
-    _grads,
-    _load,
-    _lstm_bias_from_torch,
-    _lstm_kernel_from_torch,
-    _np,
-    _precision,
+    assert_close,
+    dtype_context,
+    jit_grads,
+    load_weights,
+    lstm_bias_from_torch,
+    lstm_kernel_from_torch,
+    to_np,
 )
 
 KINDS = ["GRU", "SimpleRNN"]
@@ -50,7 +50,7 @@ def _torch_rnn(kind: str, f: int, h: int, dtype: str, bidirectional: bool = Fals
 def _torch_weights(ref, suffix: str = "", grad: bool = False) -> tuple[np.ndarray, ...]:
     """(kernel, recurrent_kernel, bias, recurrent_bias) in blox's layout."""
     ts = [getattr(ref, f"{n}_l0{suffix}") for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
-    w_ih, w_hh, b_ih, b_hh = (_np(t.grad if grad else t) for t in ts)
+    w_ih, w_hh, b_ih, b_hh = (to_np(t.grad if grad else t) for t in ts)
     return w_ih.T.copy(), w_hh.T.copy(), b_ih, b_hh
 
 
@@ -66,7 +66,7 @@ def _blox_rnn(kind, ref, f, h, dtype, is_static):
     layer = _make(kind, g / "rnn", h, rng, dtype, is_static)
     _, params = layer.apply(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f), dtype))
     weights = dict(zip([("net", "rnn", n) for n in _NAMES], _torch_weights(ref), strict=True))
-    params = _load(params, weights)
+    params = load_weights(params, weights)
     assert set(params.keys()) == {("net", "rng", "seed"), ("net", "rng", "counter"), *weights}
     return layer, params
 
@@ -88,7 +88,7 @@ def test_torch_weights_copied_without_transpose_are_named(kind):
         cases.append(("recurrent_kernel", ref.weight_hh_l0, f"(H, {gates})"))
     for name, weight, legend in cases:
         wrong = params.unlocked()
-        wrong[("net", "rnn", name)] = bx.Param(jnp.asarray(_np(weight)))
+        wrong[("net", "rnn", name)] = bx.Param(jnp.asarray(to_np(weight)))
         stored = tuple(weight.shape)
         with pytest.raises(
             ValueError,
@@ -102,7 +102,7 @@ def test_torch_weights_copied_without_transpose_are_named(kind):
 def _check_weight_grads(g_params, base, ref, dtype, suffix="") -> None:
     expected = _torch_weights(ref, suffix, grad=True)
     for name, want in zip(_NAMES, expected, strict=True):
-        _assert_close(g_params[(*base, name)].value, want, dtype, f"d/d {base}/{name}")
+        assert_close(g_params[(*base, name)].value, want, dtype, f"d/d {base}/{name}")
 
 
 def _inputs(seed, b, t, f, h, dtype, n_state=1):
@@ -133,7 +133,7 @@ def test_sequence_matches_torch(kind, dtype):
     out_t, hT_t = ref(x_t, h0_t)
     ((out_t * torch.tensor(r)).sum() + (hT_t * torch.tensor(rh)).sum()).backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         layer, params = _blox_rnn(kind, ref, f, h, dtype, is_static=False)
         state_cls = type(layer.initial_state(params, jnp.zeros((b, f), dtype))[0])
 
@@ -145,12 +145,12 @@ def test_sequence_matches_torch(kind, dtype):
             params, jnp.asarray(x), prev_state=state_cls(jnp.asarray(h0[0]))
         )
         assert new.is_locked and isinstance(state, state_cls)
-        _assert_close(out, _np(out_t), dtype, f"{kind} outputs")
-        _assert_close(state.hidden, _np(hT_t[0]), dtype, f"{kind} final h")
-        g_params, g_x, g_h0 = _grads(loss, params, jnp.asarray(x), jnp.asarray(h0[0]))
+        assert_close(out, to_np(out_t), dtype, f"{kind} outputs")
+        assert_close(state.hidden, to_np(hT_t[0]), dtype, f"{kind} final h")
+        g_params, g_x, g_h0 = jit_grads(loss, params, jnp.asarray(x), jnp.asarray(h0[0]))
 
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x")
-    _assert_close(g_h0, _np(h0_t.grad[0]), dtype, "d/d h0")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x")
+    assert_close(g_h0, to_np(h0_t.grad[0]), dtype, "d/d h0")
     _check_weight_grads(g_params, ("net", "rnn"), ref, dtype)
 
 
@@ -168,15 +168,15 @@ def test_simple_rnn_relu_matches_torch():
     rng = bx.Rng(g / "rng")
     layer = bx.SimpleRNN(g / "rnn", h, rng, activation=jax.nn.relu)
     _, params = layer.apply(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f)))
-    params = _load(
+    params = load_weights(
         params, dict(zip([("net", "rnn", n) for n in _NAMES], _torch_weights(ref), strict=True))
     )
     (out, _), _ = layer.apply(params, jnp.asarray(x))
-    _assert_close(out, _np(out_t), "float32", "relu RNN outputs")
-    _, g_x = _grads(
+    assert_close(out, to_np(out_t), "float32", "relu RNN outputs")
+    _, g_x = jit_grads(
         lambda p, x: jnp.sum(layer.apply(p, x)[0][0] * jnp.asarray(r)), params, jnp.asarray(x)
     )
-    _assert_close(g_x, _np(x_t.grad), "float32", "d/d x (relu)")
+    assert_close(g_x, to_np(x_t.grad), "float32", "d/d x (relu)")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -197,21 +197,21 @@ def test_single_step_matches_torch_cell(kind, dtype):
     h1_t = cell(x_t, h0_t)
     (h1_t * torch.tensor(rh)).sum().backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         layer, params = _blox_rnn(kind, ref, f, h, dtype, is_static=False)
         state_cls = bx.GRUState if kind == "GRU" else bx.SimpleRNNState
         (out, state), _ = layer(params, jnp.asarray(x), state_cls(jnp.asarray(h0)))
-        _assert_close(out, _np(h1_t), dtype, "step output")
-        _assert_close(state.hidden, _np(h1_t), dtype, "step h")
+        assert_close(out, to_np(h1_t), dtype, "step output")
+        assert_close(state.hidden, to_np(h1_t), dtype, "step h")
 
         def loss(params, x, h0):
             (_, state), _ = layer(params, x, state_cls(h0))
             return jnp.sum(state.hidden * jnp.asarray(rh))
 
-        g_params, g_x, g_h0 = _grads(loss, params, jnp.asarray(x), jnp.asarray(h0))
+        g_params, g_x, g_h0 = jit_grads(loss, params, jnp.asarray(x), jnp.asarray(h0))
 
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x_t")
-    _assert_close(g_h0, _np(h0_t.grad), dtype, "d/d h")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x_t")
+    assert_close(g_h0, to_np(h0_t.grad), dtype, "d/d h")
     for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
         getattr(ref, f"{name}_l0").grad = getattr(cell, name).grad
     _check_weight_grads(g_params, ("net", "rnn"), ref, dtype)
@@ -255,7 +255,7 @@ def test_seq_lengths_match_torch_packed(kind, dtype, is_static):
     out_t, _ = pad_packed_sequence(out_p, batch_first=True, total_length=t)
     ((out_t * torch.tensor(r)).sum() + (hT_t * torch.tensor(rh)).sum()).backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         layer, params = _blox_rnn(kind, ref, f, h, dtype, is_static)
         state_cls = bx.GRUState if kind == "GRU" else bx.SimpleRNNState
 
@@ -263,18 +263,18 @@ def test_seq_lengths_match_torch_packed(kind, dtype, is_static):
             return layer.apply(params, x, prev_state=state_cls(h0), seq_lengths=LENGTHS)
 
         (out, state), _ = run(params, jnp.asarray(x), jnp.asarray(h0[0]))
-        _assert_close(out, _np(out_t), dtype, "outputs with lengths")
-        _assert_close(state.hidden, _np(hT_t[0]), dtype, "final h with lengths")
+        assert_close(out, to_np(out_t), dtype, "outputs with lengths")
+        assert_close(state.hidden, to_np(hT_t[0]), dtype, "final h with lengths")
 
         def loss(params, x, h0):
             (out, state), _ = run(params, x, h0)
             return jnp.sum(out * jnp.asarray(r)) + jnp.sum(state.hidden * jnp.asarray(rh[0]))
 
-        g_params, g_x, g_h0 = _grads(loss, params, jnp.asarray(x), jnp.asarray(h0[0]))
+        g_params, g_x, g_h0 = jit_grads(loss, params, jnp.asarray(x), jnp.asarray(h0[0]))
 
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x with lengths")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x with lengths")
     assert not np.asarray(g_x)[1, 2:].any()  # row 1 has length 2
-    _assert_close(g_h0, _np(h0_t.grad[0]), dtype, "d/d h0 with lengths")
+    assert_close(g_h0, to_np(h0_t.grad[0]), dtype, "d/d h0 with lengths")
     _check_weight_grads(g_params, ("net", "rnn"), ref, dtype)
 
 
@@ -322,24 +322,24 @@ def test_gru_resets_match_torch_segments(dtype):
     out_t, hT_t = torch.cat(outs, 0), torch.cat(finals, 0)
     ((out_t * torch.tensor(r)).sum() + (hT_t * torch.tensor(rh[0])).sum()).backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         layer, params = _blox_rnn("GRU", ref, f, h, dtype, is_static=False)
 
         def run(params, x, h0):
             return layer.apply(params, x, bx.GRUState(h0), is_reset=jnp.asarray(flags))
 
         (out, state), _ = run(params, jnp.asarray(x), jnp.asarray(h0[0]))
-        _assert_close(out, _np(out_t), dtype, "outputs with resets")
-        _assert_close(state.hidden, _np(hT_t), dtype, "final h with resets")
+        assert_close(out, to_np(out_t), dtype, "outputs with resets")
+        assert_close(state.hidden, to_np(hT_t), dtype, "final h with resets")
 
         def loss(params, x, h0):
             (out, state), _ = run(params, x, h0)
             return jnp.sum(out * jnp.asarray(r)) + jnp.sum(state.hidden * jnp.asarray(rh[0]))
 
-        g_params, g_x, g_h0 = _grads(loss, params, jnp.asarray(x), jnp.asarray(h0[0]))
+        g_params, g_x, g_h0 = jit_grads(loss, params, jnp.asarray(x), jnp.asarray(h0[0]))
 
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x with resets")
-    _assert_close(g_h0, _np(h0_t.grad[0]), dtype, "d/d h0 with resets")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x with resets")
+    assert_close(g_h0, to_np(h0_t.grad[0]), dtype, "d/d h0 with resets")
     np.testing.assert_array_equal(np.asarray(g_h0)[1], 0.0)  # row 1 resets at t=0
     _check_weight_grads(g_params, ("net", "rnn"), ref, dtype)
 
@@ -366,15 +366,15 @@ def _blox_bidirectional(kind, ref, f, h, dtype, is_static):
         base = ("net", "bi", direction)
         if kind == "LSTM":
             w_ih, w_hh, b_ih, b_hh = (
-                _np(getattr(ref, f"{n}_l0{suffix}"))
+                to_np(getattr(ref, f"{n}_l0{suffix}"))
                 for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
             )
-            weights[(*base, "gates", "kernel")] = _lstm_kernel_from_torch(w_ih, w_hh)
-            weights[(*base, "gates", "bias")] = _lstm_bias_from_torch(b_ih + b_hh)
+            weights[(*base, "gates", "kernel")] = lstm_kernel_from_torch(w_ih, w_hh)
+            weights[(*base, "gates", "bias")] = lstm_bias_from_torch(b_ih + b_hh)
         else:
             values = _torch_weights(ref, suffix)
             weights.update(zip([(*base, n) for n in _NAMES], values, strict=True))
-    params = _load(params, weights)
+    params = load_weights(params, weights)
     assert set(params.keys()) == {("net", "rng", "seed"), ("net", "rng", "counter"), *weights}
     return bi, params
 
@@ -403,7 +403,7 @@ def test_bidirectional_gru_matches_torch(dtype, with_lengths):
     ((out_t * torch.tensor(r)).sum() + (hT_t * torch.tensor(rh)).sum()).backward()
     lengths = LENGTHS if with_lengths else None
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         bi, params = _blox_bidirectional("GRU", ref, f, h, dtype, is_static=False)
 
         def run(params, x, h0):
@@ -411,9 +411,9 @@ def test_bidirectional_gru_matches_torch(dtype, with_lengths):
             return bi(params, x, prev, seq_lengths=lengths)
 
         (out, (s_f, s_b)), _ = run(params, jnp.asarray(x), jnp.asarray(h0))
-        _assert_close(out, _np(out_t), dtype, "bidirectional outputs")
-        _assert_close(s_f.hidden, _np(hT_t[0]), dtype, "forward final h")
-        _assert_close(s_b.hidden, _np(hT_t[1]), dtype, "backward final h")
+        assert_close(out, to_np(out_t), dtype, "bidirectional outputs")
+        assert_close(s_f.hidden, to_np(hT_t[0]), dtype, "forward final h")
+        assert_close(s_b.hidden, to_np(hT_t[1]), dtype, "backward final h")
 
         def loss(params, x, h0):
             (out, (s_f, s_b)), _ = run(params, x, h0)
@@ -423,10 +423,10 @@ def test_bidirectional_gru_matches_torch(dtype, with_lengths):
                 + jnp.sum(s_b.hidden * jnp.asarray(rh[1]))
             )
 
-        g_params, g_x, g_h0 = _grads(loss, params, jnp.asarray(x), jnp.asarray(h0))
+        g_params, g_x, g_h0 = jit_grads(loss, params, jnp.asarray(x), jnp.asarray(h0))
 
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x (bidirectional)")
-    _assert_close(g_h0, _np(h0_t.grad), dtype, "d/d h0 (bidirectional)")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x (bidirectional)")
+    assert_close(g_h0, to_np(h0_t.grad), dtype, "d/d h0 (bidirectional)")
     _check_weight_grads(g_params, ("net", "bi", "fwd"), ref, dtype)
     _check_weight_grads(g_params, ("net", "bi", "bwd"), ref, dtype, suffix="_reverse")
 
@@ -449,16 +449,16 @@ def test_bidirectional_lstm_with_lengths_matches_torch():
 
     bi, params = _blox_bidirectional("LSTM", ref, f, h, "float32", is_static=False)
     (out, (s_f, s_b)), _ = bi(params, jnp.asarray(x), seq_lengths=LENGTHS)
-    _assert_close(out, _np(out_t), "float32", "bidirectional LSTM outputs")
+    assert_close(out, to_np(out_t), "float32", "bidirectional LSTM outputs")
     for i, s in enumerate((s_f, s_b)):
-        _assert_close(s.hidden, _np(hT_t[i]), "float32", f"direction {i} final h")
-        _assert_close(s.cell, _np(cT_t[i]), "float32", f"direction {i} final c")
-    _, g_x = _grads(
+        assert_close(s.hidden, to_np(hT_t[i]), "float32", f"direction {i} final h")
+        assert_close(s.cell, to_np(cT_t[i]), "float32", f"direction {i} final c")
+    _, g_x = jit_grads(
         lambda p, x: jnp.sum(bi(p, x, seq_lengths=LENGTHS)[0][0] * jnp.asarray(r)),
         params,
         jnp.asarray(x),
     )
-    _assert_close(g_x, _np(x_t.grad), "float32", "d/d x (bidirectional LSTM)")
+    assert_close(g_x, to_np(x_t.grad), "float32", "d/d x (bidirectional LSTM)")
 
 
 def test_bidirectional_resets_match_torch_segments():
@@ -489,6 +489,6 @@ def test_bidirectional_resets_match_torch_segments():
     def run(params, x):
         return bi(params, x, is_reset=jnp.asarray(flags), seq_lengths=lengths)[0][0]
 
-    _assert_close(run(params, jnp.asarray(x)), _np(out_t), "float32", "outputs, resets")
-    _, g_x = _grads(lambda p, x: jnp.sum(run(p, x) * jnp.asarray(r)), params, jnp.asarray(x))
-    _assert_close(g_x, _np(x_t.grad), "float32", "d/d x, resets")
+    assert_close(run(params, jnp.asarray(x)), to_np(out_t), "float32", "outputs, resets")
+    _, g_x = jit_grads(lambda p, x: jnp.sum(run(p, x) * jnp.asarray(r)), params, jnp.asarray(x))
+    assert_close(g_x, to_np(x_t.grad), "float32", "d/d x, resets")

@@ -22,13 +22,13 @@ import torch
 import torch.nn.functional as F
 
 import blox as bx
-from tests.nn.test_reference_torch import (
+from tests.nn.torch_reference import (
     TORCH_DTYPES,
-    _assert_close,
-    _grads,
-    _load,
-    _np,
-    _precision,
+    assert_close,
+    dtype_context,
+    jit_grads,
+    load_weights,
+    to_np,
 )
 from tests.scripts import run_benchmark_quick
 from tests.tolerances import tol
@@ -62,49 +62,49 @@ def _torch_layer(d, n, f, tdt, seed):
 
 def _layer_weights(prefix, layer):
     """torch TransformerEncoderLayer -> blox TransformerBlock parameter paths."""
-    wq, wk, wv = (_np(w).T.copy() for w in layer.self_attn.in_proj_weight.chunk(3))
-    bq, bk, bv = np.split(_np(layer.self_attn.in_proj_bias), 3)
+    wq, wk, wv = (to_np(w).T.copy() for w in layer.self_attn.in_proj_weight.chunk(3))
+    bq, bk, bv = np.split(to_np(layer.self_attn.in_proj_bias), 3)
     return {
-        (*prefix, "norm1", "scale"): _np(layer.norm1.weight),
-        (*prefix, "norm1", "bias"): _np(layer.norm1.bias),
+        (*prefix, "norm1", "scale"): to_np(layer.norm1.weight),
+        (*prefix, "norm1", "bias"): to_np(layer.norm1.bias),
         (*prefix, "attn", "query", "kernel"): wq,
         (*prefix, "attn", "key", "kernel"): wk,
         (*prefix, "attn", "value", "kernel"): wv,
         (*prefix, "attn", "query", "bias"): bq,
         (*prefix, "attn", "key", "bias"): bk,
         (*prefix, "attn", "value", "bias"): bv,
-        (*prefix, "attn", "out", "kernel"): _np(layer.self_attn.out_proj.weight).T.copy(),
-        (*prefix, "attn", "out", "bias"): _np(layer.self_attn.out_proj.bias),
-        (*prefix, "norm2", "scale"): _np(layer.norm2.weight),
-        (*prefix, "norm2", "bias"): _np(layer.norm2.bias),
-        (*prefix, "mlp", "linear_0", "kernel"): _np(layer.linear1.weight).T.copy(),
-        (*prefix, "mlp", "linear_0", "bias"): _np(layer.linear1.bias),
-        (*prefix, "mlp", "linear_1", "kernel"): _np(layer.linear2.weight).T.copy(),
-        (*prefix, "mlp", "linear_1", "bias"): _np(layer.linear2.bias),
+        (*prefix, "attn", "out", "kernel"): to_np(layer.self_attn.out_proj.weight).T.copy(),
+        (*prefix, "attn", "out", "bias"): to_np(layer.self_attn.out_proj.bias),
+        (*prefix, "norm2", "scale"): to_np(layer.norm2.weight),
+        (*prefix, "norm2", "bias"): to_np(layer.norm2.bias),
+        (*prefix, "mlp", "linear_0", "kernel"): to_np(layer.linear1.weight).T.copy(),
+        (*prefix, "mlp", "linear_0", "bias"): to_np(layer.linear1.bias),
+        (*prefix, "mlp", "linear_1", "kernel"): to_np(layer.linear2.weight).T.copy(),
+        (*prefix, "mlp", "linear_1", "bias"): to_np(layer.linear2.bias),
     }
 
 
 def _layer_grads(prefix, layer):
     """The gradients of `layer`'s weights, in blox layout (same keys as _layer_weights)."""
-    gq, gk, gv = (a.T for a in np.split(_np(layer.self_attn.in_proj_weight.grad), 3))
-    gbq, gbk, gbv = np.split(_np(layer.self_attn.in_proj_bias.grad), 3)
+    gq, gk, gv = (a.T for a in np.split(to_np(layer.self_attn.in_proj_weight.grad), 3))
+    gbq, gbk, gbv = np.split(to_np(layer.self_attn.in_proj_bias.grad), 3)
     return {
-        (*prefix, "norm1", "scale"): _np(layer.norm1.weight.grad),
-        (*prefix, "norm1", "bias"): _np(layer.norm1.bias.grad),
+        (*prefix, "norm1", "scale"): to_np(layer.norm1.weight.grad),
+        (*prefix, "norm1", "bias"): to_np(layer.norm1.bias.grad),
         (*prefix, "attn", "query", "kernel"): gq,
         (*prefix, "attn", "key", "kernel"): gk,
         (*prefix, "attn", "value", "kernel"): gv,
         (*prefix, "attn", "query", "bias"): gbq,
         (*prefix, "attn", "key", "bias"): gbk,
         (*prefix, "attn", "value", "bias"): gbv,
-        (*prefix, "attn", "out", "kernel"): _np(layer.self_attn.out_proj.weight.grad).T,
-        (*prefix, "attn", "out", "bias"): _np(layer.self_attn.out_proj.bias.grad),
-        (*prefix, "norm2", "scale"): _np(layer.norm2.weight.grad),
-        (*prefix, "norm2", "bias"): _np(layer.norm2.bias.grad),
-        (*prefix, "mlp", "linear_0", "kernel"): _np(layer.linear1.weight.grad).T,
-        (*prefix, "mlp", "linear_0", "bias"): _np(layer.linear1.bias.grad),
-        (*prefix, "mlp", "linear_1", "kernel"): _np(layer.linear2.weight.grad).T,
-        (*prefix, "mlp", "linear_1", "bias"): _np(layer.linear2.bias.grad),
+        (*prefix, "attn", "out", "kernel"): to_np(layer.self_attn.out_proj.weight.grad).T,
+        (*prefix, "attn", "out", "bias"): to_np(layer.self_attn.out_proj.bias.grad),
+        (*prefix, "norm2", "scale"): to_np(layer.norm2.weight.grad),
+        (*prefix, "norm2", "bias"): to_np(layer.norm2.bias.grad),
+        (*prefix, "mlp", "linear_0", "kernel"): to_np(layer.linear1.weight.grad).T,
+        (*prefix, "mlp", "linear_0", "bias"): to_np(layer.linear1.bias.grad),
+        (*prefix, "mlp", "linear_1", "kernel"): to_np(layer.linear2.weight.grad).T,
+        (*prefix, "mlp", "linear_1", "bias"): to_np(layer.linear2.bias.grad),
     }
 
 
@@ -125,28 +125,28 @@ def test_block_matches_torch_pre_norm_encoder_layer(dtype):
     y_t = layer(x_t, src_mask=causal, src_key_padding_mask=torch.tensor(~key_mask))
     (y_t * torch.tensor(r)).sum().backward()
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         g = bx.Graph("net")
         rng = bx.Rng(g / "rng")
         block = bx.TransformerBlock(g / "block", d, n, rng, mlp_size=f, param_dtype=dtype)
         _, params = block(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, d), dtype))
         weights = _layer_weights(("net", "block"), layer)
-        params = _load(params, weights)
+        params = load_weights(params, weights)
 
         def run(params, x):
             return block(
                 params, x, key_mask=jnp.asarray(key_mask), is_causal=True, is_training=False
             )[0]
 
-        _assert_close(jax.jit(run)(params, jnp.asarray(x)), _np(y_t), dtype, "block output")
-        g_params, g_x = _grads(
+        assert_close(jax.jit(run)(params, jnp.asarray(x)), to_np(y_t), dtype, "block output")
+        g_params, g_x = jit_grads(
             lambda p, x: jnp.sum(run(p, x) * jnp.asarray(r)), params, jnp.asarray(x)
         )
-    _assert_close(g_x, _np(x_t.grad), dtype, "d/d x")
+    assert_close(g_x, to_np(x_t.grad), dtype, "d/d x")
     want = _layer_grads(("net", "block"), layer)
     assert set(g_params.keys()) == set(want)
     for path, value in want.items():
-        _assert_close(g_params[path].value, value, dtype, "d/d " + "/".join(path[2:]))
+        assert_close(g_params[path].value, value, dtype, "d/d " + "/".join(path[2:]))
 
 
 def _assert_grad_close(actual, expected, dtype, what):
@@ -200,22 +200,22 @@ def test_language_model_matches_torch_and_kv_cache_decoding(dtype):
 
     root = ("lm", "model")
     weights = {
-        (*root, "embed", "embedding"): _np(ref.embed.weight),
-        (*root, "pos", "embedding"): _np(ref.pos),
-        (*root, "final_norm", "scale"): _np(ref.norm.weight),
-        (*root, "final_norm", "bias"): _np(ref.norm.bias),
+        (*root, "embed", "embedding"): to_np(ref.embed.weight),
+        (*root, "pos", "embedding"): to_np(ref.pos),
+        (*root, "final_norm", "scale"): to_np(ref.norm.weight),
+        (*root, "final_norm", "bias"): to_np(ref.norm.bias),
     }
     want = {
-        (*root, "embed", "embedding"): _np(ref.embed.weight.grad),
-        (*root, "pos", "embedding"): _np(ref.pos.grad),
-        (*root, "final_norm", "scale"): _np(ref.norm.weight.grad),
-        (*root, "final_norm", "bias"): _np(ref.norm.bias.grad),
+        (*root, "embed", "embedding"): to_np(ref.embed.weight.grad),
+        (*root, "pos", "embedding"): to_np(ref.pos.grad),
+        (*root, "final_norm", "scale"): to_np(ref.norm.weight.grad),
+        (*root, "final_norm", "bias"): to_np(ref.norm.bias.grad),
     }
     for i, layer in enumerate(ref.layers):
         weights |= _layer_weights((*root, f"block_{i}"), layer)
         want |= _layer_grads((*root, f"block_{i}"), layer)
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         g = bx.Graph("lm")
         rng = bx.Rng(g / "rng")
         lm = bx.TransformerLM(
@@ -231,14 +231,14 @@ def test_language_model_matches_torch_and_kv_cache_decoding(dtype):
             param_dtype=dtype,
         )
         _, params = lm(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2), jnp.int32))
-        params = _load(params, weights)
+        params = load_weights(params, weights)
         forward = jax.jit(lambda p, tok: lm(p, tok, is_training=False)[0])
-        _assert_close(forward(params, jnp.asarray(tokens)), _np(logits_t), dtype, "LM logits")
+        assert_close(forward(params, jnp.asarray(tokens)), to_np(logits_t), dtype, "LM logits")
 
         def loss(params):
             return jnp.sum(lm(params, jnp.asarray(tokens), is_training=False)[0] * jnp.asarray(r))
 
-        (g_params,) = _grads(loss, params)
+        (g_params,) = jit_grads(loss, params)
         assert set(g_params.keys()) == set(want)
         for path, value in want.items():
             _assert_grad_close(g_params[path].value, value, dtype, "d/d " + "/".join(path[2:]))
@@ -251,7 +251,7 @@ def test_language_model_matches_torch_and_kv_cache_decoding(dtype):
         for i in range(t):
             out, cache = step(cache, jnp.asarray(tokens[:, i : i + 1]))
             outs.append(out)
-        _assert_close(jnp.concatenate(outs, 1), _np(logits_t), dtype, "decoded logits")
+        assert_close(jnp.concatenate(outs, 1), to_np(logits_t), dtype, "decoded logits")
         assert int(lm.cache_index(cache)) == t
 
 
@@ -336,10 +336,10 @@ def test_left_padded_batch_decodes_like_each_prompt_alone(position):
             out, alone = alone_step(alone, jnp.full((1, 1), token, jnp.int32))
             want.append(np.asarray(out[0, 0]))
         n = len(prompt)
-        _assert_close(prefill[i, pad:], np.stack(want[:n]), "float32", f"row {i} prefill")
-        _assert_close(full[i, pad:], np.stack(want[:n]), "float32", f"row {i} full pass")
+        assert_close(prefill[i, pad:], np.stack(want[:n]), "float32", f"row {i} prefill")
+        assert_close(full[i, pad:], np.stack(want[:n]), "float32", f"row {i} full pass")
         for s in range(steps):
-            _assert_close(decoded[s][i], want[n + s], "float32", f"row {i} decode step {s}")
+            assert_close(decoded[s][i], want[n + s], "float32", f"row {i} decode step {s}")
 
 
 def test_explicit_positions_equal_the_key_mask_default():
@@ -370,18 +370,6 @@ def test_explicit_positions_equal_the_key_mask_default():
         ValueError, match=r"key_mask must be a boolean array of shape \(B, L\) = \(2, 6\)"
     ):
         lm(cache, jnp.asarray(tokens), key_mask=jnp.asarray(mask), decode=True)
-
-
-def test_block_and_lm_bf16_params_compute_in_bf16():
-    g = bx.Graph("lm")
-    rng = bx.Rng(g / "rng")
-    lm = bx.TransformerLM(g / "model", 13, 16, 1, 2, rng)
-    tokens = jnp.array([[1, 2, 3, 4]])
-    ref, params = lm(rng.seed(bx.Params(), seed=0), tokens, is_training=False)
-    half = jax.tree.map(lambda v: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v, params)
-    y, _ = lm(half, tokens, is_training=False)
-    assert y.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(y, np.float32), ref, **tol(jnp.bfloat16))
 
 
 def test_transformer_errors():

@@ -18,8 +18,6 @@ by the batch normalization).
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +27,7 @@ import torch
 from torch import nn
 
 import blox as bx
+from tests.nn.torch_reference import dtype_context, to_np
 from tests.tolerances import tol
 
 F32_BLOCK_TOL = dict(rtol=1e-4, atol=1e-5)
@@ -131,7 +130,7 @@ class TBackboneNeck(nn.Module):
 
 
 def _conv_weights(prefix: tuple, m: TConv) -> dict:
-    t = lambda v: v.detach().numpy().copy()  # noqa: E731  (a copy: torch updates in place)
+    t = lambda v: to_np(v).copy()  # noqa: E731  (a copy: torch updates in place)
     return {
         prefix + ("conv", "kernel"): t(m.conv.weight).transpose(2, 3, 1, 0),
         prefix + ("bn", "scale"): t(m.bn.weight),
@@ -193,10 +192,6 @@ def _params_from(module, rng, x, weights: dict, dtype) -> bx.Params:
     return params.locked()
 
 
-def _precision(dtype):
-    return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
-
-
 def _conv_modules(prefix: tuple, m: nn.Module) -> list:
     """(blox path, TConv) pairs, with the same naming as `_weights`."""
     found = []
@@ -247,7 +242,7 @@ def _run_case(
     after = _weights(("net", name), ref)
     to = (lambda a: a) if channels_first else (lambda a: np.moveaxis(a, 1, -1))
 
-    with _precision(dtype):
+    with dtype_context(dtype):
         g = bx.Graph("net")
         rng = bx.Rng(g / "rng")
         module = make_blox(g / name, rng)
@@ -268,18 +263,18 @@ def _run_case(
             ys, new = jax.jit(lambda p, x: loss(p, rest, x)[1])(train, x)
         for i, (y, yt) in enumerate(zip(ys, ys_t, strict=True)):
             np.testing.assert_allclose(
-                y, to(yt.detach().numpy()), **check_tol, err_msg=f"{name} train output {i}"
+                y, to(to_np(yt)), **check_tol, err_msg=f"{name} train output {i}"
             )
         if grads:
             np.testing.assert_allclose(
-                g_x, to(x_t.grad.numpy()), **check_tol, err_msg=f"{name} d/dx"
+                g_x, to(to_np(x_t.grad)), **check_tol, err_msg=f"{name} d/dx"
             )
             grads_t = {}
             for path, mod in _conv_modules(("net", name), ref):
-                kernel_grad = mod.conv.weight.grad.numpy().transpose(2, 3, 1, 0)
+                kernel_grad = to_np(mod.conv.weight.grad).transpose(2, 3, 1, 0)
                 grads_t[path + ("conv", "kernel")] = kernel_grad
-                grads_t[path + ("bn", "scale")] = mod.bn.weight.grad.numpy()
-                grads_t[path + ("bn", "bias")] = mod.bn.bias.grad.numpy()
+                grads_t[path + ("bn", "scale")] = to_np(mod.bn.weight.grad)
+                grads_t[path + ("bn", "bias")] = to_np(mod.bn.bias.grad)
             assert set(grads_t) == set(g_train.keys())
             for path, expected in grads_t.items():
                 np.testing.assert_allclose(
