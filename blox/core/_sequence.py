@@ -260,9 +260,12 @@ def _moving_leaves(step, leaves, tree, state, xrv, is_training) -> list[bool] | 
     (`jax.eval_shape`, no computation); ``None`` if it returns params of another structure.
 
     Only those leaves ride in the ``lax.scan`` carry; the others are closed over, as in a
-    hand-written scan. Carrying them all gives the same numbers, but the gradient scan then
-    accumulates the parameter gradients in the carry's (alphabetical) order instead of the
-    order of use and XLA schedules the loop body differently, which costs cache misses.
+    hand-written scan. Carrying them all gives the same numbers (``lax.scan`` turns the
+    carried leaves that come back unchanged into loop constants), but in the params'
+    sorted-path order instead of the order of use: the gradient loop then accumulates the
+    parameter gradients in another order, and XLA schedules its body differently from the
+    hand-written scan's, with more cache misses (LSTM train step: 5 % more L1 data misses
+    in the compiled code, 7 % more instruction-cache misses).
     """
     found: list[list[bool] | None] = []
 
@@ -292,8 +295,10 @@ def dynamic_scan(
     """Runs `step_fn` over time with ``jax.lax.scan`` (fast to compile); same results as
     `static_scan`.
 
-    ``(state, params)`` is the scan carry, so non-trainable state (RNG counters) is
-    threaded through time. With *unlocked* params (initialization), step 0 runs in
+    The scan carry is the state and the params leaves that a step replaces (found by
+    tracing one step with `jax.eval_shape`), so non-trainable state (RNG counters) is
+    threaded through time; the other params are closed over, as in a hand-written
+    ``lax.scan``. With *unlocked* params (initialization), step 0 runs in
     Python so parameters can be created, and the remaining steps run in ``lax.scan``.
 
     Args and returns: as `static_scan`.

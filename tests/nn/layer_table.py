@@ -9,6 +9,7 @@ naming every public `Module` of `blox.nn` that has no row.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -497,6 +498,32 @@ def public_modules() -> dict[str, type]:
         if isinstance(obj, type) and issubclass(obj, bx.Module):
             out[name] = obj
     return out
+
+
+def numpy_params(init: Callable, params: bx.Params, *args: Any) -> bx.Params:
+    """The params that ``init(params, *args)`` (a layer call returning ``(outputs,
+    params)``) creates, without compiling any initializer (random initializers cost
+    seconds of XLA compilation per shape): the layer's own paths, shapes, dtypes, flags
+    and metadata from ``jax.eval_shape``, the arrays already in `params` (the `Rng`'s)
+    kept, NumPy normals elsewhere (kernels scaled by ``1 / sqrt(fan_in)``, positive
+    scales and variances)."""
+    _, abstract = jax.eval_shape(init, params, *args)
+    given = {"/".join(k): v for k, v in params.arrays().items()}
+
+    def one(kp, s):
+        path = kp[0].key
+        if path in given:
+            return given[path]
+        v = np.random.default_rng(zlib.crc32(path.encode())).standard_normal(s.shape)
+        if len(s.shape) >= 2:
+            v = v / np.sqrt(np.prod(s.shape[:-1]))
+        elif path.endswith(("running_var", "scale")):
+            v = 1.0 + 0.2 * np.abs(v)
+        else:
+            v = 0.2 * v
+        return jnp.asarray(v.astype(s.dtype))
+
+    return jax.tree_util.tree_map_with_path(one, abstract)
 
 
 def cast_floats(tree: Any, dtype: Any) -> Any:

@@ -27,6 +27,7 @@ from tests.nn.torch_reference import (
     assert_close,
     dtype_context,
     jit_grads,
+    layout,
     load_weights,
     to_np,
 )
@@ -96,7 +97,7 @@ def test_attention_matches_torch_multihead_attention(dtype, mode):
     with dtype_context(dtype):
         g, rng, params = _seeded()
         attn = bx.MultiHeadAttention(g / "attn", d, n, rng, param_dtype=dtype)
-        _, params = attn(params, jnp.zeros((1, 2, d), dtype), jnp.zeros((1, 3, dc), dtype))
+        params = layout(attn, params, jnp.zeros((1, 2, d), dtype), jnp.zeros((1, 3, dc), dtype))
         weights = {
             (*P, "query", "kernel"): to_np(wq).T.copy(),
             (*P, "key", "kernel"): to_np(wk).T.copy(),
@@ -211,7 +212,7 @@ def test_grouped_query_rope_attention_matches_torch_sdpa(dtype):
             use_rope=True,
             param_dtype=dtype,
         )
-        _, params = attn(params, jnp.zeros((1, 2, d), dtype))
+        params = layout(attn, params, jnp.zeros((1, 2, d), dtype))
         params = load_weights(params, {(*P, name, "kernel"): v for name, v in w.items()})
 
         def run(params, x):

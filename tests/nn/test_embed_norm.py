@@ -24,6 +24,7 @@ from tests.nn.torch_reference import (
     assert_close,
     dtype_context,
     jit_grads,
+    layout,
     load_weights,
     to_np,
 )
@@ -66,7 +67,7 @@ def test_embed_lookup_and_attend_match_torch(dtype):
     with dtype_context(dtype):
         g, rng, params = _seeded()
         embed = bx.Embed(g / "embed", v, d, rng, param_dtype=dtype)
-        _, params = embed(params, jnp.zeros((1,), jnp.int32))
+        params = layout(embed, params, jnp.zeros((1,), jnp.int32))
         params = load_weights(params, {("net", "embed", "embedding"): to_np(ref.weight)})
         e, _ = embed(params, jnp.asarray(idx))
         a, _ = embed.attend(params, jnp.asarray(x))
@@ -195,7 +196,7 @@ def test_norms_match_torch(dtype, kind, use_scale, use_bias):
             )
         else:
             norm = bx.RMSNorm(g / "norm", eps, use_scale=use_scale, param_dtype=dtype)
-        _, params = norm(params, jnp.zeros((1, d), dtype))
+        params = layout(norm, params, jnp.zeros((1, d), dtype))
         weights = {}
         if use_scale:
             weights[("net", "norm", "scale")] = to_np(ref.weight)

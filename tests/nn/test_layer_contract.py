@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import re
-import zlib
 
 import chex
 import jax
@@ -35,7 +34,15 @@ from jax.sharding import AxisType, NamedSharding
 
 import blox as bx
 from blox import parallel as bp
-from tests.nn.layer_table import DESCRIPTORS, PATH, RNG, by_name, cast_floats, public_modules
+from tests.nn.layer_table import (
+    DESCRIPTORS,
+    PATH,
+    RNG,
+    by_name,
+    cast_floats,
+    numpy_params,
+    public_modules,
+)
 from tests.tolerances import tol
 
 IDS = [d.name for d in DESCRIPTORS]
@@ -58,10 +65,7 @@ class _Built:
         self.x = jax.tree.map(jnp.asarray, desc.inputs(0))
         self.x2 = jax.tree.map(jnp.asarray, desc.inputs(1))
         seeded = self.rng.seed(bx.Params(), seed=0)
-        # The layer's own parameter layout (an abstract init: no initializer is compiled)
-        # filled with NumPy values.
-        _, abstract = jax.eval_shape(lambda p, x: desc.call(self.layer, p, x), seeded, self.x)
-        self.params = _fill(abstract, seeded).locked()
+        self.params = numpy_params(self.call, seeded, self.x).locked()
         self.traces = 0
 
         def step(p, x):
@@ -76,28 +80,6 @@ class _Built:
 
     def call(self, params, x):
         return self.desc.call(self.layer, params, x)
-
-
-def _fill(abstract: bx.Params, seeded: bx.Params) -> bx.Params:
-    """Concrete params with `abstract`'s paths, flags and metadata: the RNG's values from
-    `seeded`, NumPy normals elsewhere (LeCun-scaled kernels, positive variances)."""
-    given = {"/".join(k): v for k, v in seeded.arrays().items()}
-
-    def one(kp, s):
-        path = kp[0].key
-        if path in given:
-            return given[path]
-        r = np.random.default_rng(zlib.crc32(path.encode()))
-        v = r.standard_normal(s.shape)
-        if len(s.shape) >= 2:
-            v = v / np.sqrt(np.prod(s.shape[:-1]))
-        elif path.endswith(("running_var", "scale")):
-            v = 1.0 + 0.2 * np.abs(v)
-        else:
-            v = 0.2 * v
-        return jnp.asarray(v, s.dtype)
-
-    return jax.tree_util.tree_map_with_path(one, abstract)
 
 
 @functools.cache

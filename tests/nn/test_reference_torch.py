@@ -1,7 +1,7 @@
 """`Linear`, `MLP` and `LSTM` against PyTorch on CPU, with the weights copied across.
 
-Every test builds the blox layer, initializes it with a forward pass (so the parameter
-layout is the layer's own), overwrites the parameters with the PyTorch module's weights
+Every test builds the blox layer, takes its own parameter layout from an abstract forward
+pass (``torch_reference.layout``: no initializer runs), fills it with the PyTorch module's weights
 (transposed / reordered as documented) and compares the forward pass *and* the gradients of
 a scalar loss with respect to the inputs and to every weight.
 
@@ -33,6 +33,7 @@ from tests.nn.torch_reference import (
     assert_close,
     dtype_context,
     jit_grads,
+    layout,
     load_weights,
     lstm_bias_from_torch,
     lstm_kernel_from_torch,
@@ -67,7 +68,7 @@ def test_linear_matches_torch(dtype, use_bias):
         g = bx.Graph("net")
         rng = bx.Rng(g / "rng")
         layer = bx.Linear(g / "fc", d_out, rng, use_bias=use_bias, param_dtype=dtype)
-        _, params = layer(rng.seed(bx.Params(), seed=0), jnp.zeros((1, d_in), dtype))
+        params = layout(layer, rng.seed(bx.Params(), seed=0), jnp.zeros((1, d_in), dtype))
         weights = {("net", "fc", "kernel"): to_np(ref.weight).T.copy()}
         if use_bias:
             weights[("net", "fc", "bias")] = to_np(ref.bias)
@@ -189,7 +190,7 @@ def test_mlp_matches_torch(dtype, activation, torch_activation, activate_final):
             activate_final=activate_final,
             param_dtype=dtype,
         )
-        _, params = mlp(rng.seed(bx.Params(), seed=0), jnp.zeros((1, d_in), dtype))
+        params = layout(mlp, rng.seed(bx.Params(), seed=0), jnp.zeros((1, d_in), dtype))
         weights = {}
         for i, lin in enumerate(linears):
             weights[("net", "mlp", f"linear_{i}", "kernel")] = to_np(lin.weight).T.copy()
@@ -230,7 +231,7 @@ def _blox_lstm(ref: torch.nn.LSTM, f: int, h: int, dtype: str, is_static: bool):
     g = bx.Graph("net")
     rng = bx.Rng(g / "rng")
     lstm = bx.LSTM(g / "lstm", h, rng, is_static=is_static, param_dtype=dtype)
-    _, params = lstm.apply(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f), dtype))
+    params = layout(lstm.apply, rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f), dtype))
     kernel = lstm_kernel_from_torch(to_np(ref.weight_ih_l0), to_np(ref.weight_hh_l0))
     bias = lstm_bias_from_torch(to_np(ref.bias_ih_l0) + to_np(ref.bias_hh_l0))
     params = load_weights(

@@ -18,6 +18,7 @@ import pytest
 from jax.test_util import check_grads
 
 import blox as bx
+from tests.nn.layer_table import numpy_params
 from tests.scripts import run_benchmark_quick
 from tests.tolerances import tol
 
@@ -41,8 +42,9 @@ def _build(kind: str, h: int = 4, is_static: bool = False, **kw):
 
 
 def _init(layer, rng, x):
-    _, params = layer.apply(rng.seed(bx.Params(), seed=0), x)
-    return params.locked()
+    """Locked params in the layer's own layout, NumPy-filled (no initializer compiled;
+    the initializers are checked in test_parameter_layout_and_initializers)."""
+    return numpy_params(layer.apply, rng.seed(bx.Params(), seed=0), x).locked()
 
 
 # ---------------------------------------------------------------------------

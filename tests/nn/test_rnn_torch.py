@@ -31,6 +31,7 @@ from tests.nn.torch_reference import (
     assert_close,
     dtype_context,
     jit_grads,
+    layout,
     load_weights,
     lstm_bias_from_torch,
     lstm_kernel_from_torch,
@@ -64,7 +65,7 @@ def _blox_rnn(kind, ref, f, h, dtype, is_static):
     g = bx.Graph("net")
     rng = bx.Rng(g / "rng")
     layer = _make(kind, g / "rnn", h, rng, dtype, is_static)
-    _, params = layer.apply(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f), dtype))
+    params = layout(layer.apply, rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f), dtype))
     weights = dict(zip([("net", "rnn", n) for n in _NAMES], _torch_weights(ref), strict=True))
     params = load_weights(params, weights)
     assert set(params.keys()) == {("net", "rng", "seed"), ("net", "rng", "counter"), *weights}
@@ -81,7 +82,7 @@ def test_torch_weights_copied_without_transpose_are_named(kind):
     g = bx.Graph("net")
     rng = bx.Rng(g / "rng")
     layer = _make(kind, g / "rnn", h, rng, "float32", is_static=False)
-    _, params = layer.apply(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f)))
+    params = layout(layer.apply, rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f)))
     gates = "3H" if kind == "GRU" else "H"
     cases = [("kernel", ref.weight_ih_l0, f"(F, {gates})")]
     if kind == "GRU":
@@ -167,7 +168,7 @@ def test_simple_rnn_relu_matches_torch():
     g = bx.Graph("net")
     rng = bx.Rng(g / "rng")
     layer = bx.SimpleRNN(g / "rnn", h, rng, activation=jax.nn.relu)
-    _, params = layer.apply(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f)))
+    params = layout(layer.apply, rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f)))
     params = load_weights(
         params, dict(zip([("net", "rnn", n) for n in _NAMES], _torch_weights(ref), strict=True))
     )
@@ -360,7 +361,7 @@ def _blox_bidirectional(kind, ref, f, h, dtype, is_static):
         fwd = _make(kind, node / "fwd", h, rng, dtype, is_static)
         bwd = _make(kind, node / "bwd", h, rng, dtype, is_static)
     bi = bx.Bidirectional(node, fwd, bwd)
-    _, params = bi(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f), dtype))
+    params = layout(bi, rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, f), dtype))
     weights = {}
     for direction, suffix in (("fwd", ""), ("bwd", "_reverse")):
         base = ("net", "bi", direction)

@@ -27,6 +27,7 @@ from tests.nn.torch_reference import (
     assert_close,
     dtype_context,
     jit_grads,
+    layout,
     load_weights,
     to_np,
 )
@@ -129,7 +130,7 @@ def test_block_matches_torch_pre_norm_encoder_layer(dtype):
         g = bx.Graph("net")
         rng = bx.Rng(g / "rng")
         block = bx.TransformerBlock(g / "block", d, n, rng, mlp_size=f, param_dtype=dtype)
-        _, params = block(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, d), dtype))
+        params = layout(block, rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2, d), dtype))
         weights = _layer_weights(("net", "block"), layer)
         params = load_weights(params, weights)
 
@@ -230,7 +231,7 @@ def test_language_model_matches_torch_and_kv_cache_decoding(dtype):
             mlp_size=f,
             param_dtype=dtype,
         )
-        _, params = lm(rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2), jnp.int32))
+        params = layout(lm, rng.seed(bx.Params(), seed=0), jnp.zeros((1, 2), jnp.int32))
         params = load_weights(params, weights)
         forward = jax.jit(lambda p, tok: lm(p, tok, is_training=False)[0])
         assert_close(forward(params, jnp.asarray(tokens)), to_np(logits_t), dtype, "LM logits")

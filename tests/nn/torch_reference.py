@@ -91,3 +91,22 @@ def lstm_bias_from_torch(b: np.ndarray) -> np.ndarray:
     """(4H,) in gate order i, f, g, o -> (4H,) in order i, g, f, o."""
     parts = np.split(b, 4)
     return np.concatenate([parts[j] for j in TORCH_TO_BLOX_GATES])
+
+
+def layout(init, params: bx.Params, *args) -> bx.Params:
+    """The params that ``init(params, *args)`` (a layer call returning ``(outputs,
+    params)``) creates, without compiling any initializer: paths, shapes, dtypes, flags
+    and metadata from ``jax.eval_shape``; the arrays already in `params` (the `Rng`'s)
+    kept. Every new floating array is NaN, so a weight that `load_weights` does not
+    overwrite shows in the outputs; new integer arrays are zero."""
+    _, abstract = jax.eval_shape(init, params, *args)
+    given = {"/".join(k): v for k, v in params.arrays().items()}
+
+    def one(kp, s):
+        path = kp[0].key
+        if path in given:
+            return given[path]
+        fill = np.nan if np.issubdtype(np.dtype(s.dtype), np.floating) else 0
+        return jnp.asarray(np.full(s.shape, fill, s.dtype))
+
+    return jax.tree_util.tree_map_with_path(one, abstract)
