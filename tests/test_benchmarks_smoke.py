@@ -1,10 +1,16 @@
-"""Smoke test: ``benchmarks/core_overhead.py --quick`` runs and writes its report.
+"""Smoke tests of the benchmark scripts: ``benchmarks/core_overhead.py``,
+``layers_speed.py`` and ``transformer_speed.py`` with ``--quick`` run and write their
+sections.
 
-Only checks that the script works (same-math asserts included); no timing asserts,
+Only checks that the scripts work (their same-math asserts included); no timing asserts,
 since timings on a shared machine are noise at this size.
 """
 
+import pytest
+
 from tests.scripts import run_benchmark_quick
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 
 def test_core_overhead_quick(tmp_path):
@@ -24,3 +30,24 @@ def test_core_overhead_quick(tmp_path):
         "core_overhead.py", "core_overhead", out, "--peer", "off", "--only", "(c)"
     )
     assert "(a) MLP step" not in text and "(c) jit identity" in text
+
+
+def test_layers_speed_benchmark_quick(tmp_path):
+    """``benchmarks/layers_speed.py --quick`` runs (same-math checks included) and writes
+    its own section."""
+    text = run_benchmark_quick("layers_speed.py", "layers_speed", tmp_path / "b.md")
+    for needle in ("LSTM", "transpose", "FLOPs"):
+        assert needle in text, needle
+
+
+def test_transformer_benchmark_quick_smoke(tmp_path):
+    """``benchmarks/transformer_speed.py --quick`` runs (same-math checks included) and
+    writes only its own section."""
+    text = run_benchmark_quick("transformer_speed.py", "transformer_speed", tmp_path / "b.md")
+    for needle in [
+        "LM train step",
+        "KV-cache decode",
+        "Optimised-HLO FLOPs",
+        "transpose ops in the optimised HLO of the step",
+    ]:
+        assert needle in text, needle

@@ -158,6 +158,7 @@ def test_every_name_the_docs_list_resolves_under_bx():
     assert "graph_tree" in _table_names((ROOT / "docs" / "api" / "core.md").read_text())
 
 
+@pytest.mark.slow
 def test_readme_code_runs():
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
@@ -169,6 +170,7 @@ def test_readme_code_runs():
         assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_demo_example_runs_tiny_and_learns():
     out = run_script("examples/mlp_regression.py", "--size", "tiny")
     losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", out)]

@@ -3,7 +3,11 @@ KV cache, in seconds."""
 
 import re
 
+import pytest
+
 from tests.scripts import run_script
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 
 def test_char_lm_example_runs_tiny_and_learns():

@@ -6,7 +6,11 @@ No timing asserts: timings on a shared machine are noise at these sizes.
 
 import re
 
+import pytest
+
 from tests.scripts import run_benchmark_quick, run_script
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 
 def test_digits_cnn_tiny_learns():

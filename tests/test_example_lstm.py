@@ -2,7 +2,11 @@
 
 import re
 
+import pytest
+
 from tests.scripts import run_script
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 
 def test_lstm_sequence_example_runs_tiny_and_learns():

@@ -3,7 +3,11 @@ table and the output shape at every scale, and the loss goes down."""
 
 import re
 
+import pytest
+
 from tests.scripts import run_script
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 
 def test_yolo_example_runs_tiny_and_the_loss_drops():

@@ -129,7 +129,8 @@ def launch(
 
     Returns:
       The exit code of the first process that failed (``128 + n`` for a process ended by
-      signal ``n``), or 0.
+      signal ``n``), or 0. Of processes seen to end in the same 50 ms, one ended by a
+      signal counts as first: its peers fail because it vanished.
 
     Raises:
       ValueError: an empty command, counts that are not positive, or ranks that do not
@@ -204,10 +205,12 @@ def launch(
     try:
         running = set(procs)
         while running:
-            for r in sorted(running):
-                code = procs[r].poll()
-                if code is None:
-                    continue
+            ended = {r: procs[r].poll() for r in sorted(running)}
+            ended = {r: c for r, c in ended.items() if c is not None}
+            # Processes that ended since the last look (50 ms ago): one killed by a signal
+            # is taken first, as the cause. Its peers then fail on their own within
+            # milliseconds (a collective's connection to it closes), with an exit code.
+            for r, code in sorted(ended.items(), key=lambda rc: (rc[1] >= 0, rc[0])):
                 running.discard(r)
                 if code != 0:
                     if first_failure is None:

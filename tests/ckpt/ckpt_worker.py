@@ -6,7 +6,8 @@ Resumes from the latest committed step in DIR (if any), prints ``restored step=<
 digest=<sha256 of the state>``, then trains up to step TOTAL, saving every step
 asynchronously and printing ``step=<s> digest=<...>`` after each step. At the end it
 prints ``final digest=<...>``. The digest covers every array of the state, so two runs
-agree on it only if their states are bit-identical.
+agree on it only if their states are bit-identical. DIR ``-`` trains the same steps with
+no checkpointing at all (the reference run).
 """
 
 from __future__ import annotations
@@ -55,17 +56,25 @@ def main(directory: str, total: int) -> None:
 
     step_fn = jax.jit(bx.make_train_step(loss_fn, tx))
     state = {"params": params, "opt_state": tx.init(params.split()[0]), "step": 0}
-    with ckpt.CheckpointManager(directory, save_every=1, max_to_keep=3) as mngr:
-        if mngr.latest_step() is not None:
-            state = mngr.restore(state)
-            print(f"restored step={state['step']} digest={digest(state)}", flush=True)
+
+    def train(save):
+        nonlocal state
         while state["step"] < total:
             i = state["step"]
             xb, yb = jnp.roll(x, i, axis=0), jnp.roll(y, i, axis=0)
             p, o, _ = step_fn(state["params"], state["opt_state"], xb, yb)
             state = {"params": p, "opt_state": o, "step": i + 1}
-            mngr.save(state["step"], state)
+            save(state)
             print(f"step={state['step']} digest={digest(state)}", flush=True)
+
+    if directory == "-":
+        train(lambda state: None)
+    else:
+        with ckpt.CheckpointManager(directory, save_every=1, max_to_keep=3) as mngr:
+            if mngr.latest_step() is not None:
+                state = mngr.restore(state)
+                print(f"restored step={state['step']} digest={digest(state)}", flush=True)
+            train(lambda state: mngr.save(state["step"], state))
     print(f"final digest={digest(state)}", flush=True)
 
 

@@ -72,6 +72,7 @@ def test_import_errors_list_paths_and_shapes():
         ckpt.export_params({"params": params})
 
 
+@pytest.mark.slow
 def test_port_pytorch_example_matches_torch():
     pytest.importorskip("torch")  # a test dependency; the example itself says how to install
     out = run_script("examples/port_pytorch.py", "--size", "tiny")
@@ -81,6 +82,7 @@ def test_port_pytorch_example_matches_torch():
         assert path in out
 
 
+@pytest.mark.slow
 def test_port_pytorch_example_without_torch_says_how_to_install():
     code = (
         "import sys; sys.modules['torch'] = None; sys.argv = ['port_pytorch.py', '--size', "

@@ -27,9 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import blox as bx
 from blox import ckpt
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP, WIDTH, HIDDEN = 7, 8, 16

@@ -1,7 +1,11 @@
 """Smoke test: ``benchmarks/data_speed.py --quick`` runs (its equal-window asserts included)
 and writes its section; no timing asserts (timings on a shared machine are noise here)."""
 
+import pytest
+
 from tests.scripts import run_benchmark_quick
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 
 def test_data_speed_quick(tmp_path):

@@ -93,6 +93,7 @@ def test_threads_and_prefetch_do_not_change_batches(files):
     _assert_batches_equal(list(pipeline(src, read_threads=3, prefetch=5, **kw)), base)
 
 
+@pytest.mark.slow
 def test_two_worker_processes_yield_the_in_process_batches(files):
     paths, _ = files
     src = WindowedSource(paths, SIGNALS, window=6, stride=5)
@@ -120,6 +121,7 @@ def test_resume_from_saved_state_equals_uninterrupted(files, k):
     _assert_batches_equal([next(rebuilt) for _ in range(6)], uninterrupted[k:])
 
 
+@pytest.mark.slow
 def test_resume_with_worker_processes_in_tbptt_order(files):
     # workers, TBPTT order and resume together; the in-process run is the reference
     paths, _ = files

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
@@ -42,6 +44,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_sklearn_openmp_and_grain_shuffle_share_a_process():
     proc = subprocess.run(
         [sys.executable, "-c", CHILD], cwd=ROOT, capture_output=True, text=True, timeout=300

@@ -16,8 +16,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.scripts import ROOT
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 STEPS = "3"
 RUNS = {

@@ -65,6 +65,7 @@ def _losses(lines: list[str]) -> np.ndarray:
     return np.array([float(re.fullmatch(r"step=\d+ loss=(\S+)", s)[1]) for s in lines])
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_on_eight_devices(tmp_path):
     one = subprocess.run(
         [sys.executable, EXAMPLE, "--size", "tiny", "--save-params", str(tmp_path / "one.npz")],
@@ -94,6 +95,7 @@ def test_two_processes_match_one_process_on_eight_devices(tmp_path):
         np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_shards_follow_the_mesh_across_processes():
     proc = _launch("-n", "2", "--devices-per-process", "2", WORKER, "shards", timeout=90)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -144,6 +146,7 @@ def _finish(proc: subprocess.Popen, limit: float) -> tuple[int, str, str, float]
     return proc.returncode, out, err, time.monotonic() - start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("who_stops", ["launcher", "heartbeat"])
 def test_a_killed_process_ends_the_group(who_stops):
     # 'launcher': it stops the survivor after --grace. 'heartbeat': the launcher waits
@@ -166,6 +169,7 @@ def test_a_killed_process_ends_the_group(who_stops):
     assert not any(_alive(p) for p in pids.values()), pids
 
 
+@pytest.mark.slow
 def test_a_process_that_raises_ends_the_group():
     proc = _start("-n", "2", "--devices-per-process", "2", "--grace", "1", WORKER, "raise", "1")
     pids = _read_pids(proc, 2, "joined")
@@ -176,6 +180,7 @@ def test_a_process_that_raises_ends_the_group():
     assert not any(_alive(p) for p in pids.values()), pids
 
 
+@pytest.mark.slow
 def test_first_nonzero_exit_code_is_returned_and_output_is_prefixed():
     proc = _launch("-n", "3", "--grace", "0.2", WORKER, "exit", "2", "7", timeout=60)
     assert proc.returncode == 7, proc.stderr
@@ -186,6 +191,7 @@ def test_first_nonzero_exit_code_is_returned_and_output_is_prefixed():
     assert len(pids) == 3 and not any(_alive(p) for p in pids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("joined", [0, 1])
 def test_a_process_that_never_joins_is_named(joined):
     # A group of 2 in which only process `joined` starts (one launcher member).

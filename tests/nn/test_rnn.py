@@ -19,7 +19,6 @@ from jax.test_util import check_grads
 
 import blox as bx
 from tests.nn.layer_table import numpy_params
-from tests.scripts import run_benchmark_quick
 from tests.tolerances import tol
 
 CELLS = ["LSTM", "GRU", "SimpleRNN", "MGU"]
@@ -451,16 +450,3 @@ def test_bidirectional_errors():
         bi(params, x, seq_lengths=[6, 1])
     with pytest.raises(ValueError, match=r"Bidirectional 'net/bi5': prev_state must be a pair"):
         bi(params, x, prev_state=bx.GRUState(jnp.zeros((2, 4))))
-
-
-# ---------------------------------------------------------------------------
-# Benchmark smoke
-# ---------------------------------------------------------------------------
-
-
-def test_layers_speed_benchmark_quick(tmp_path):
-    """``benchmarks/layers_speed.py --quick`` runs (same-math checks included) and writes
-    its own section; no timing asserts."""
-    text = run_benchmark_quick("layers_speed.py", "layers_speed", tmp_path / "b.md")
-    for needle in ("LSTM", "transpose", "FLOPs"):
-        assert needle in text, needle

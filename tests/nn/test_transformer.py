@@ -31,7 +31,6 @@ from tests.nn.torch_reference import (
     load_weights,
     to_np,
 )
-from tests.scripts import run_benchmark_quick
 from tests.tolerances import tol
 
 DTYPES = ["float32", "float64"]
@@ -462,16 +461,3 @@ def test_old_positional_orders_fail_loudly():
         bx.C2f(g / "c2f", 16, rng, 2)
     with pytest.raises(TypeError, match=r"positional argument"):
         bx.YOLONeck(g / "neck", rng, (8, 16, 32))
-
-
-def test_transformer_benchmark_quick_smoke(tmp_path):
-    """benchmarks/transformer_speed.py --quick runs (same-math checks included) and writes
-    only its own section."""
-    text = run_benchmark_quick("transformer_speed.py", "transformer_speed", tmp_path / "b.md")
-    for needle in [
-        "LM train step",
-        "KV-cache decode",
-        "Optimised-HLO FLOPs",
-        "transpose ops in the optimised HLO of the step",
-    ]:
-        assert needle in text, needle

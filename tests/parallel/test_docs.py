@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import blox.parallel
 from tests.scripts import ROOT
 
@@ -17,6 +19,7 @@ def test_every_public_name_has_a_docstring_and_an_api_line():
     assert not [n for n in names if f"`{n}`" not in page]
 
 
+@pytest.mark.slow
 def test_parallel_guide_runs_and_prints_what_it_shows():
     text = (ROOT / "docs" / "parallel.md").read_text()
     blocks = re.findall(r"```(python|text)\n(.*?)```", text, re.S)

@@ -18,9 +18,12 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from blox import ckpt
 from tests.scripts import ROOT
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 STEP = re.compile(r"^step=(\d+) loss=(\S+)$", re.M)
 

@@ -5,8 +5,11 @@ example's contract), and each prints the compiled step's temp bytes once."""
 import re
 
 import numpy as np
+import pytest
 
 from tests.scripts import run_script
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 STEP = re.compile(r"^step=(\d+) loss=(\S+)$", re.M)
 TEMP = re.compile(r"^temp_bytes=(\d+)$", re.M)

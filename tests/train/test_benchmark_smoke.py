@@ -1,7 +1,11 @@
 """Smoke test: ``benchmarks/train_step.py --quick`` runs its same-math checks and writes
 its own section (no timing asserts: timings of a quick run on a shared machine are noise)."""
 
+import pytest
+
 from tests.scripts import run_benchmark_quick
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 
 def test_train_step_benchmark_quick(tmp_path):

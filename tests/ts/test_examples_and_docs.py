@@ -18,6 +18,7 @@ def _steps(out: str) -> list[float]:
     return [float(v) for _, v in rows]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["sysid_silverbox", "sysid_wiener_hammerstein"])
 def test_sysid_examples_run_tiny(script, tmp_path):
     out = run_script(f"examples/{script}.py", "--size", "tiny", "--steps", "4", "--seed", "1",
@@ -30,6 +31,7 @@ def test_sysid_examples_run_tiny(script, tmp_path):
     assert (tmp_path / "data" / "test.h5").exists()
 
 
+@pytest.mark.slow
 def test_sysid_physics_example_runs_tiny(tmp_path):
     out = run_script("examples/sysid_physics.py", "--size", "tiny", "--steps", "5",
                      "--out", str(tmp_path))  # fmt: skip
@@ -38,6 +40,7 @@ def test_sysid_physics_example_runs_tiny(tmp_path):
     assert (tmp_path / "physics.png").exists()
 
 
+@pytest.mark.slow
 def test_ts_speed_benchmark_quick(tmp_path):
     text = run_benchmark_quick("ts_speed.py", "ts_speed", tmp_path / "benchmarks.md")
     assert "GRU sysid train step" in text and "GRU free-run simulation" in text
