@@ -142,8 +142,9 @@ def render(env, command, started, counts, quick, pairs, checks, hlo) -> str:
             counts,
             "sizes shrunk, numbers meaningless" if quick else None,
         ),
-        "blox: `bx.LSTM(hidden=64)` (`lax.scan` through `dynamic_scan`, params in the scan "
-        "carry) and a `bx.Linear(1)` head on every step, MSE, the split/grad/merge Adam step. "
+        "blox: `bx.LSTM(hidden=64)` (`lax.scan` through `dynamic_scan`: the carry holds the "
+        "state and the params a step replaces, the weights are closed over) and a "
+        "`bx.Linear(1)` head on every step, MSE, the split/grad/merge Adam step. "
         "Raw: the same equations on a `{str: array}` dict with a hand-written `lax.scan`. "
         "The *min-based ratio* is the median over rounds of the ratio of per-round minima "
         "(the target); the *median ratio* uses per-round medians.",

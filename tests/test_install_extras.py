@@ -201,15 +201,18 @@ def test_plot_simulation_without_matplotlib(monkeypatch, tmp_path):
     _assert_names_extra(str(info.value), "matplotlib")
 
 
-def test_display_without_treescope_prints_plain_text(monkeypatch, capsys):
-    """`display` renders with Treescope only when it can; without the `display` extra
-    it prints the plain-text tree and table (no error)."""
+def test_display_without_treescope_names_the_extra_or_prints_plain_text(monkeypatch, capsys):
+    """Without the `display` extra, asking for Treescope (``treescope=True``) raises an
+    error naming the extra; the default (Treescope only in a notebook that has it) prints
+    the plain-text tree and table."""
     g = bx.Graph("net")
     fc = bx.Linear(g / "fc", 2, None, kernel_init=lambda k, s, d: jnp.ones(s, d))
     _, params = fc(bx.Params(), jnp.ones((1, 3)))
     bx.display(fc, params, treescope=False)
     plain = capsys.readouterr().out
     _block(monkeypatch, "treescope")
-    bx.display(fc, params, treescope=True)
+    with pytest.raises(ImportError, match=r"pip install 'blox\[display\]'"):
+        bx.display(fc, params, treescope=True)
+    bx.display(fc, params)
     assert capsys.readouterr().out == plain
     assert "net/fc/kernel" in plain

@@ -160,15 +160,25 @@ def display(obj: Any, params: Params | None = None, *, treescope: bool | None = 
     Args:
       obj: a `Graph`, a tuple of graphs, a `Module`, or `Params`.
       params: params to list below the module tree.
-      treescope: render with Treescope (default: when running in a notebook and
-        treescope is installed); otherwise print plain text.
+      treescope: ``True`` renders with Treescope (the ``display`` extra:
+        ``pip install 'blox[display]'``), ``False`` prints plain text; the default uses
+        Treescope when running in a notebook with treescope installed.
+
+    Raises:
+      ImportError: ``treescope=True`` and treescope is not installed.
     """
+    asked = treescope
     if treescope is None:
         treescope = _in_notebook()
     if treescope:
         try:
             import treescope as ts
-        except ImportError:
+        except ImportError as e:
+            if asked:
+                raise ImportError(
+                    "display(..., treescope=True) needs treescope, which is not installed: "
+                    "pip install 'blox[display]' (or pass treescope=False for plain text)."
+                ) from e
             treescope = False
         else:
             ts.display(obj if params is None else (obj, params))

@@ -10,15 +10,9 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from blox.core import Graph, Module, Params
+from blox.nn._dtype import compute_dtype
 
 __all__ = ["Normalize"]
-
-
-def _compute_dtype(x: jax.Array, param_dtype: Any, dtype: Any | None) -> Any:
-    if dtype is not None:
-        return jnp.dtype(dtype)
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.promote_types(x.dtype, param_dtype)
 
 
 class Normalize(Module):
@@ -138,7 +132,7 @@ class Normalize(Module):
         x = jnp.asarray(x)
         self._check(x, "input")
         mean, std, params = self._stats(params)
-        dt = _compute_dtype(x, mean.dtype, self.dtype)
+        dt = compute_dtype(x, mean.dtype, self.dtype)
         shape = (1,) * (x.ndim - 1) + (self.num_channels,)
         mean, std = mean.astype(dt).reshape(shape), std.astype(dt).reshape(shape)
         return (x.astype(dt) - mean) / std, params
@@ -150,7 +144,7 @@ class Normalize(Module):
         z = jnp.asarray(z)
         self._check(z, "input")
         mean, std, params = self._stats(params)
-        dt = _compute_dtype(z, mean.dtype, self.dtype)
+        dt = compute_dtype(z, mean.dtype, self.dtype)
         shape = (1,) * (z.ndim - 1) + (self.num_channels,)
         mean, std = mean.astype(dt).reshape(shape), std.astype(dt).reshape(shape)
         return z.astype(dt) * std + mean, params

@@ -41,6 +41,46 @@ def _large_negative(dtype: Any) -> jax.Array:
     return jnp.asarray(-0.7 * m, dtype=dtype)
 
 
+def check_attention_config(
+    where: str,
+    model_size: Any,
+    num_heads: Any,
+    num_kv_heads: Any,
+    head_dim: int | None,
+    dropout_rate: float,
+    use_rope: bool,
+) -> tuple[int, int]:
+    """The constructor checks shared by `MultiHeadAttention` and the tensor-parallel
+    `ParallelMultiHeadAttention`; returns ``(head_dim, num_kv_heads)`` with their
+    defaults (``model_size // num_heads``, ``num_heads``) filled in. `where` names the
+    layer in the errors."""
+    for name, v in (("model_size", model_size), ("num_heads", num_heads)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{where}: {name} must be a positive int, got {v!r}.")
+    if head_dim is None:
+        if model_size % num_heads:
+            raise ValueError(
+                f"{where}: num_heads = {num_heads} does not divide model_size = "
+                f"{model_size}, so the head size D / N is not an integer. Choose "
+                f"num_heads dividing {model_size}, or pass head_dim explicitly."
+            )
+        head_dim = model_size // num_heads
+    if num_kv_heads is None:
+        num_kv_heads = num_heads
+    if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"{where}: num_kv_heads = {num_kv_heads!r} must be a positive int dividing "
+            f"num_heads = {num_heads} (each group of num_heads / num_kv_heads query "
+            f"heads shares one key/value head). Use e.g. num_kv_heads in "
+            f"{[k for k in range(1, num_heads + 1) if num_heads % k == 0]}."
+        )
+    if not 0.0 <= float(dropout_rate) < 1.0:
+        raise ValueError(f"{where}: dropout_rate must be in [0, 1), got {dropout_rate}.")
+    if use_rope and head_dim % 2:
+        raise ValueError(f"{where}: use_rope needs an even head_dim, got {head_dim}.")
+    return head_dim, num_kv_heads
+
+
 class MultiHeadAttention(Module):
     """Multi-head dot-product attention (Vaswani et al., 2017), with grouped-query heads
     (Ainslie et al., 2023), optional rotary positions and an optional KV cache.
@@ -164,30 +204,9 @@ class MultiHeadAttention(Module):
                 f"{rng!r}. The signature is MultiHeadAttention(graph, model_size, num_heads, "
                 "rng, *, options...); pass the options by keyword."
             )
-        for name, v in (("model_size", model_size), ("num_heads", num_heads)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{where}: {name} must be a positive int, got {v!r}.")
-        if head_dim is None:
-            if model_size % num_heads:
-                raise ValueError(
-                    f"{where}: num_heads = {num_heads} does not divide model_size = "
-                    f"{model_size}, so the head size D / N is not an integer. Choose "
-                    f"num_heads dividing {model_size}, or pass head_dim explicitly."
-                )
-            head_dim = model_size // num_heads
-        if num_kv_heads is None:
-            num_kv_heads = num_heads
-        if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(
-                f"{where}: num_kv_heads = {num_kv_heads!r} must be a positive int dividing "
-                f"num_heads = {num_heads} (each group of num_heads / num_kv_heads query "
-                f"heads shares one key/value head). Use e.g. num_kv_heads in "
-                f"{[k for k in range(1, num_heads + 1) if num_heads % k == 0]}."
-            )
-        if not 0.0 <= float(dropout_rate) < 1.0:
-            raise ValueError(f"{where}: dropout_rate must be in [0, 1), got {dropout_rate}.")
-        if use_rope and head_dim % 2:
-            raise ValueError(f"{where}: use_rope needs an even head_dim, got {head_dim}.")
+        head_dim, num_kv_heads = check_attention_config(
+            where, model_size, num_heads, num_kv_heads, head_dim, dropout_rate, use_rope
+        )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -272,7 +272,7 @@ class _ConvBase(Module):
                 bias = reshard_dim(bias, 0, sharding, 1 if self.channels_first else y.ndim - 1)
             if self.channels_first:
                 bias = bias.reshape((self.output_channels,) + (1,) * self.num_spatial_dims)
-            y = y + jnp.broadcast_to(bias, y.shape)
+            y = y + jnp.expand_dims(bias, tuple(range(y.ndim - bias.ndim)))
         if len(batch) != 1:
             y = y.reshape(batch + tuple(y.shape[1:]))
         if placement is not None:

@@ -140,7 +140,7 @@ class Linear(Module):
             bias = bias.astype(cd)
             if dot_sharding is not None:
                 bias = _reshard_features(bias, dot_sharding, x.ndim)
-            y = y + jnp.broadcast_to(bias, y.shape)
+            y = y + jnp.expand_dims(bias, tuple(range(y.ndim - 1)))
         if constraint is not None:
             y = jax.lax.with_sharding_constraint(y, constraint)
         return y, params

@@ -276,9 +276,9 @@ class LayerNorm(_NormBase):
         var = device_mean(jnp.mean(centered * centered, axis=-1, keepdims=True))
         y = centered * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, sd))
         if scale is not None:
-            y = y * jnp.broadcast_to(scale.astype(sd), y.shape)
+            y = y * jnp.expand_dims(scale.astype(sd), tuple(range(y.ndim - 1)))
         if bias is not None:
-            y = y + jnp.broadcast_to(bias.astype(sd), y.shape)
+            y = y + jnp.expand_dims(bias.astype(sd), tuple(range(y.ndim - 1)))
         return y.astype(out_dtype), params
 
 
@@ -354,5 +354,5 @@ class RMSNorm(_NormBase):
         ms = device_mean(jnp.mean(xs * xs, axis=-1, keepdims=True))
         y = xs * jax.lax.rsqrt(ms + jnp.asarray(self.epsilon, sd))
         if scale is not None:
-            y = y * jnp.broadcast_to(scale.astype(sd), y.shape)
+            y = y * jnp.expand_dims(scale.astype(sd), tuple(range(y.ndim - 1)))
         return y.astype(out_dtype), params

@@ -23,7 +23,7 @@ __all__ = ["TransformerBlock", "TransformerLM"]
 _default_embedding_init = jax.nn.initializers.normal(0.02)
 
 
-def _norm(graph: Graph, kind: str, epsilon: float, dtype: Any, param_dtype: Any) -> Module:
+def make_norm(graph: Graph, kind: str, epsilon: float, dtype: Any, param_dtype: Any) -> Module:
     if kind == "layer":
         return LayerNorm(graph, epsilon, dtype=dtype, param_dtype=param_dtype)
     if kind == "rms":
@@ -106,7 +106,7 @@ class TransformerBlock(Module):
         self.model_size = model_size
         self.mlp_size = 4 * model_size if mlp_size is None else mlp_size
         self.activation = activation
-        self.norm1 = _norm(graph.child("norm1"), norm, epsilon, dtype, param_dtype)
+        self.norm1 = make_norm(graph.child("norm1"), norm, epsilon, dtype, param_dtype)
         self.attn = MultiHeadAttention(
             graph.child("attn"),
             model_size,
@@ -119,7 +119,7 @@ class TransformerBlock(Module):
             dtype=dtype,
             param_dtype=param_dtype,
         )
-        self.norm2 = _norm(graph.child("norm2"), norm, epsilon, dtype, param_dtype)
+        self.norm2 = make_norm(graph.child("norm2"), norm, epsilon, dtype, param_dtype)
         self.mlp = MLP(
             graph.child("mlp"),
             (self.mlp_size, model_size),
@@ -144,23 +144,37 @@ class TransformerBlock(Module):
         decode: bool = False,
     ) -> tuple[jax.Array, Params]:
         """Applies the block to ``x`` ``(B, T, D)``; returns ``((B, T, D), params)``."""
-        h, params = self.norm1(params, x)
-        h, params = self.attn(
+        return pre_norm_residual(
+            self,
             params,
-            h,
+            x,
+            is_training,
             mask=mask,
             key_mask=key_mask,
             is_causal=is_causal,
             positions=positions,
-            is_training=is_training,
             decode=decode,
         )
-        h, params = self.dropout(params, h, is_training=is_training)
-        x = x + h.astype(x.dtype)
-        h, params = self.norm2(params, x)
-        h, params = self.mlp(params, h)
-        h, params = self.dropout(params, h, is_training=is_training)
-        return x + h.astype(x.dtype), params
+
+
+def pre_norm_residual(
+    block: Module, params: Params, x: jax.Array, is_training: bool, **attn_kwargs: Any
+) -> tuple[jax.Array, Params]:
+    """The pre-norm residual structure shared by `TransformerBlock` and the
+    tensor-parallel `ParallelTransformerBlock` (`block` has ``norm1``, ``attn``,
+    ``norm2``, ``mlp`` and ``dropout``)::
+
+        h = x + dropout(attn(norm1(x), **attn_kwargs))
+        y = h + dropout(mlp(norm2(h)))
+    """
+    h, params = block.norm1(params, x)
+    h, params = block.attn(params, h, is_training=is_training, **attn_kwargs)
+    h, params = block.dropout(params, h, is_training=is_training)
+    x = x + h.astype(x.dtype)
+    h, params = block.norm2(params, x)
+    h, params = block.mlp(params, h)
+    h, params = block.dropout(params, h, is_training=is_training)
+    return x + h.astype(x.dtype), params
 
 
 class TransformerLM(Module):
@@ -304,7 +318,7 @@ class TransformerLM(Module):
             )
             for i in range(num_layers)
         ]
-        self.final_norm = _norm(graph.child("final_norm"), norm, epsilon, dtype, param_dtype)
+        self.final_norm = make_norm(graph.child("final_norm"), norm, epsilon, dtype, param_dtype)
         self.head = (
             None
             if tie_embeddings

@@ -32,8 +32,10 @@ from jax.typing import ArrayLike
 
 from blox.core import Graph, Module, Params, Rng
 from blox.core._sharding import row_out_sharding as _row_out_sharding
-from blox.nn import Dropout, LayerNorm, RMSNorm, apply_rotary
+from blox.nn import Dropout, apply_rotary
+from blox.nn._attention import check_attention_config
 from blox.nn._dtype import compute_dtype
+from blox.nn._transformer import make_norm, pre_norm_residual
 from blox.parallel._mesh import bound_axes, check_vma_enabled
 
 __all__ = [
@@ -190,7 +192,7 @@ class ColumnParallelLinear(_ParallelLinear):
         y = jnp.dot(x.astype(cd), kernel.astype(cd), precision=precision)
         if self.use_bias:
             bias, params = self._param(params, "bias", (self.output_size,), 0, m)
-            y = y + jnp.broadcast_to(bias.astype(cd), y.shape)
+            y = y + jnp.expand_dims(bias.astype(cd), tuple(range(y.ndim - 1)))
         return y, params
 
 
@@ -243,7 +245,7 @@ class RowParallelLinear(_ParallelLinear):
             y = jax.lax.psum(partial, self.axis)  # the one all-reduce of this layer
         if self.use_bias:
             bias, params = self._param(params, "bias", (self.output_size,), None, m)
-            y = y + jnp.broadcast_to(bias.astype(cd), y.shape)
+            y = y + jnp.expand_dims(bias.astype(cd), tuple(range(y.ndim - 1)))
         return y, params
 
 
@@ -391,26 +393,9 @@ class ParallelMultiHeadAttention(Module):
     ):
         super().__init__(graph)
         where = f"ParallelMultiHeadAttention '{self.path_str}'"
-        for name, v in (("num_heads", num_heads), ("model_size", model_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{where}: {name} must be a positive int, got {v!r}.")
-        if head_dim is None:
-            if model_size % num_heads:
-                raise ValueError(
-                    f"{where}: num_heads = {num_heads} does not divide model_size = "
-                    f"{model_size}. Choose num_heads dividing it, or pass head_dim."
-                )
-            head_dim = model_size // num_heads
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(
-                f"{where}: num_kv_heads = {num_kv_heads!r} must be a positive int dividing "
-                f"num_heads = {num_heads}."
-            )
-        if not 0.0 <= float(dropout_rate) < 1.0:
-            raise ValueError(f"{where}: dropout_rate must be in [0, 1), got {dropout_rate}.")
-        if use_rope and head_dim % 2:
-            raise ValueError(f"{where}: use_rope needs an even head_dim, got {head_dim}.")
+        head_dim, num_kv_heads = check_attention_config(
+            where, model_size, num_heads, num_kv_heads, head_dim, dropout_rate, use_rope
+        )
         self.axis = axis
         self.model_size = model_size
         self.num_heads = num_heads
@@ -525,7 +510,7 @@ class ParallelMultiHeadAttention(Module):
         y = jnp.dot(ctx.astype(cd), kernel.astype(cd))
         if layer.use_bias:
             bias = layer._param(params, "bias", (layer.output_size,), None, 1)[0]
-            y = y + jnp.broadcast_to(bias.astype(cd), y.shape)
+            y = y + jnp.expand_dims(bias.astype(cd), tuple(range(y.ndim - 1)))
         return y, params
 
     def _mask(self, mask, key_mask, bts, nl, idx) -> jax.Array | None:
@@ -609,14 +594,6 @@ class ParallelMultiHeadAttention(Module):
         return out.reshape(b, t, n, h)
 
 
-def _norm(graph: Graph, kind: str, epsilon: float, dtype: Any, param_dtype: Any) -> Module:
-    if kind == "layer":
-        return LayerNorm(graph, epsilon, dtype=dtype, param_dtype=param_dtype)
-    if kind == "rms":
-        return RMSNorm(graph, epsilon, dtype=dtype, param_dtype=param_dtype)
-    raise ValueError(f"'{'/'.join(graph.path)}': norm must be 'layer' or 'rms', got {kind!r}.")
-
-
 class ParallelTransformerBlock(Module):
     """The pre-norm `TransformerBlock`, tensor-parallel: head-split attention and a
     column/row `ParallelMLP`, so **two all-reduces in forward** (one per row-parallel
@@ -674,7 +651,7 @@ class ParallelTransformerBlock(Module):
         super().__init__(graph)
         self.model_size = model_size
         self.mlp_size = 4 * model_size if mlp_size is None else mlp_size
-        self.norm1 = _norm(graph.child("norm1"), norm, epsilon, dtype, param_dtype)
+        self.norm1 = make_norm(graph.child("norm1"), norm, epsilon, dtype, param_dtype)
         self.attn = ParallelMultiHeadAttention(
             graph.child("attn"),
             model_size,
@@ -688,7 +665,7 @@ class ParallelTransformerBlock(Module):
             dtype=dtype,
             param_dtype=param_dtype,
         )
-        self.norm2 = _norm(graph.child("norm2"), norm, epsilon, dtype, param_dtype)
+        self.norm2 = make_norm(graph.child("norm2"), norm, epsilon, dtype, param_dtype)
         self.mlp = ParallelMLP(
             graph.child("mlp"),
             self.mlp_size,
@@ -713,16 +690,9 @@ class ParallelTransformerBlock(Module):
         is_training: bool = True,
     ) -> tuple[jax.Array, Params]:
         """Applies the block to ``x`` ``(B, T, D)``; returns ``((B, T, D), params)``."""
-        h, params = self.norm1(params, x)
-        h, params = self.attn(
-            params, h, mask=mask, key_mask=key_mask, is_causal=is_causal, is_training=is_training
+        return pre_norm_residual(
+            self, params, x, is_training, mask=mask, key_mask=key_mask, is_causal=is_causal
         )
-        h, params = self.dropout(params, h, is_training=is_training)
-        x = x + h.astype(x.dtype)
-        h, params = self.norm2(params, x)
-        h, params = self.mlp(params, h)
-        h, params = self.dropout(params, h, is_training=is_training)
-        return x + h.astype(x.dtype), params
 
 
 def transformer_tp_rules(axis: str = "model", *, shard_kv: bool = True) -> list[tuple[str, Any]]:

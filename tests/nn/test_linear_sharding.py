@@ -127,7 +127,7 @@ def test_no_extra_work_off_explicit_meshes(kind):
 
     def raw(k, b, x):
         y = jnp.dot(x, k)
-        return y + jnp.broadcast_to(b, y.shape)
+        return y + jnp.expand_dims(b, tuple(range(y.ndim - 1)))
 
     ours = jax.make_jaxpr(lambda p, a: fc(p, a)[0])(params, x)
     assert _eqns(ours) == _eqns(jax.make_jaxpr(raw)(k, b, x))
