@@ -362,7 +362,7 @@ def test_initial_state_pair_and_prev_state_checks(kind):
     (y_ref, _), _ = layer.apply(params, x)
     np.testing.assert_array_equal(y, y_ref)
     if kind in ("LSTM", "Bidirectional"):
-        return  # LSTM: test_layers.py; Bidirectional has no one-step call
+        return  # LSTM: test_dense_lstm_sequential.py; Bidirectional has no one-step call
     state_name = f"{kind}State"
     with pytest.raises(TypeError, match=unpack):
         layer(params, x[:, 0], pair)

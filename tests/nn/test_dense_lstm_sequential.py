@@ -3,7 +3,7 @@ weights, signatures.
 
 The shared checks (jit, vmap, grad, eval_shape, dtypes, no retrace, sharding) run over
 the descriptor table in ``test_layer_contract.py``; numerics against PyTorch live in
-``test_reference_torch.py``.
+``test_dense_lstm_torch.py``.
 """
 
 import inspect
