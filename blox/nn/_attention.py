@@ -41,6 +41,47 @@ def _large_negative(dtype: Any) -> jax.Array:
     return jnp.asarray(-0.7 * m, dtype=dtype)
 
 
+def attention_written_out(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    causal: bool,
+    keep: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+) -> jax.Array:
+    """The math of ``jax.nn.dot_product_attention`` written out, shared by
+    `MultiHeadAttention` and the tensor-parallel `ParallelMultiHeadAttention`.
+
+    ``q (B, T, N, H)``, ``k, v (B, S, K, H)`` (``K`` key/value heads, each shared by
+    ``N / K`` query heads), a boolean `mask` broadcastable to ``(B, N, T, S)``; logits
+    and softmax in float32 (float64 for float64 inputs). `keep`, a boolean dropout
+    keep-mask of ``B * N * T * S`` elements in ``(B, K, N / K, T, S)`` order, zeroes
+    the dropped weights and scales the kept ones by ``1 / (1 - dropout_rate)``.
+    Returns ``(B, T, N, H)``.
+    """
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    sd = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    qg = q.reshape(b, t, kh, g, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=sd)
+    logits = logits * jnp.asarray(1.0 / np.sqrt(h), sd)
+    if causal:
+        tri = jnp.tril(jnp.ones((t, s), dtype=bool)).reshape(1, 1, t, s)
+        mask = tri if mask is None else jnp.logical_and(mask, tri)
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, (b, n, t, s)).reshape(b, kh, g, t, s)
+        logits = jnp.where(mask, logits, _large_negative(sd))
+    probs = jax.nn.softmax(logits, axis=-1)
+    if keep is not None:
+        keep = keep.reshape(b, kh, g, t, s)
+        scale = jnp.asarray(1.0 / (1.0 - dropout_rate), sd)
+        probs = jnp.where(keep, probs * scale, jnp.zeros((), sd))
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
+    return out.reshape(b, t, n, h)
+
+
 def check_attention_config(
     where: str,
     model_size: Any,
@@ -492,23 +533,9 @@ class MultiHeadAttention(Module):
         key: jax.Array | None,
     ) -> jax.Array:
         """The math of ``jax.nn.dot_product_attention``, plus dropout on the weights."""
-        b, t, n, h = q.shape
-        s, kh = k.shape[1], k.shape[2]
-        g = n // kh
-        sd = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-        qg = q.reshape(b, t, kh, g, h)
-        logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=sd)
-        logits = logits * jnp.asarray(1.0 / np.sqrt(h), sd)
-        if causal:
-            tri = jnp.tril(jnp.ones((t, s), dtype=bool)).reshape(1, 1, t, s)
-            mask = tri if mask is None else jnp.logical_and(mask, tri)
-        if mask is not None:
-            mask = jnp.broadcast_to(mask, (b, n, t, s)).reshape(b, kh, g, t, s)
-            logits = jnp.where(mask, logits, _large_negative(sd))
-        probs = jax.nn.softmax(logits, axis=-1)
+        keep = None
         if key is not None:
-            keep = jax.random.bernoulli(key, 1.0 - self.dropout_rate, probs.shape)
-            scale = jnp.asarray(1.0 / (1.0 - self.dropout_rate), sd)
-            probs = jnp.where(keep, probs * scale, jnp.zeros((), sd))
-        out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
-        return out.reshape(b, t, n, h)
+            b, t, n, _ = q.shape
+            s, kh = k.shape[1], k.shape[2]
+            keep = jax.random.bernoulli(key, 1.0 - self.dropout_rate, (b, kh, n // kh, t, s))
+        return attention_written_out(q, k, v, mask, causal, keep, self.dropout_rate)

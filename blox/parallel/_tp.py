@@ -33,7 +33,7 @@ from jax.typing import ArrayLike
 from blox.core import Graph, Module, Params, Rng
 from blox.core._sharding import row_out_sharding as _row_out_sharding
 from blox.nn import Dropout, apply_rotary
-from blox.nn._attention import check_attention_config
+from blox.nn._attention import attention_written_out, check_attention_config
 from blox.nn._dtype import compute_dtype
 from blox.nn._transformer import make_norm, pre_norm_residual
 from blox.parallel._mesh import bound_axes, check_vma_enabled
@@ -314,11 +314,6 @@ class ParallelMLP(Module):
         return self.linear_1(params, self.activation(h), precision=precision)
 
 
-def _large_negative(dtype: Any) -> jax.Array:
-    m = min(float(jnp.finfo(dtype).max), float(jnp.finfo(jnp.float32).max))
-    return jnp.asarray(-0.7 * m, dtype=dtype)
-
-
 class ParallelMultiHeadAttention(Module):
     """Multi-head attention with its heads split over the model axis (grouped-query
     heads included); the same parameters and math as `MultiHeadAttention`.
@@ -572,26 +567,7 @@ class ParallelMultiHeadAttention(Module):
     def _attend(self, q, k, v, mask, causal, keep) -> jax.Array:
         """The math of ``jax.nn.dot_product_attention`` (as `MultiHeadAttention` writes it
         out), with an optional dropout keep-mask ``(B, n, T, S)``."""
-        b, t, n, h = q.shape
-        s, kh = k.shape[1], k.shape[2]
-        g = n // kh
-        sd = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-        qg = q.reshape(b, t, kh, g, h)
-        logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=sd)
-        logits = logits * jnp.asarray(1.0 / np.sqrt(h), sd)
-        if causal:
-            tri = jnp.tril(jnp.ones((t, s), dtype=bool)).reshape(1, 1, t, s)
-            mask = tri if mask is None else jnp.logical_and(mask, tri)
-        if mask is not None:
-            mask = jnp.broadcast_to(mask, (b, n, t, s)).reshape(b, kh, g, t, s)
-            logits = jnp.where(mask, logits, _large_negative(sd))
-        probs = jax.nn.softmax(logits, axis=-1)
-        if keep is not None:
-            keep = keep.reshape(b, kh, g, t, s)
-            scale = jnp.asarray(1.0 / (1.0 - self.dropout_rate), sd)
-            probs = jnp.where(keep, probs * scale, jnp.zeros((), sd))
-        out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
-        return out.reshape(b, t, n, h)
+        return attention_written_out(q, k, v, mask, causal, keep, self.dropout_rate)
 
 
 class ParallelTransformerBlock(Module):
