@@ -13,8 +13,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import IO
+from collections.abc import Callable, Sequence
+from typing import IO, Any
 
 from blox.distributed._init import (
     ENV_COORDINATOR,
@@ -137,22 +137,8 @@ def launch(
         fit in the group.
     """
     command = list(command)
-    if not command or (command[0] == "-m" and len(command) < 2):
-        raise ValueError("launch: no script given; pass [script.py, *args] or ['-m', module].")
     total = num_processes if total_processes is None else total_processes
-    if num_processes < 1 or total < 1:
-        raise ValueError(
-            f"launch: num_processes={num_processes} and total_processes={total} must be >= 1."
-        )
-    if not 0 <= first_process_id <= total - num_processes:
-        raise ValueError(
-            f"launch: processes {first_process_id}..{first_process_id + num_processes - 1} "
-            f"do not fit in a group of {total} (ranks 0..{total - 1})."
-        )
-    if devices_per_process is not None and devices_per_process < 1:
-        raise ValueError(f"launch: devices_per_process={devices_per_process} must be >= 1.")
-    if command[0] != "-m" and not os.path.exists(command[0]):
-        raise ValueError(f"launch: script {command[0]!r} not found (cwd {os.getcwd()}).")
+    _check_launch_args(command, num_processes, total, first_process_id, devices_per_process)
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     address = coordinator_address or f"127.0.0.1:{free_port()}"
@@ -200,41 +186,8 @@ def launch(
                 pass
 
     first_failure: tuple[int, int] | None = None
-    stop_at: float | None = None
-    kill_at: float | None = None
     try:
-        running = set(procs)
-        while running:
-            ended = {r: procs[r].poll() for r in sorted(running)}
-            ended = {r: c for r, c in ended.items() if c is not None}
-            # Processes that ended since the last look (50 ms ago): one killed by a signal
-            # is taken first, as the cause. Its peers then fail on their own within
-            # milliseconds (a collective's connection to it closes), with an exit code.
-            for r, code in sorted(ended.items(), key=lambda rc: (rc[1] >= 0, rc[0])):
-                running.discard(r)
-                if code != 0:
-                    if first_failure is None:
-                        first_failure = (r, code)
-                        note(
-                            f"process {r} exited with {_signal_name(code)}; stopping the "
-                            f"others in {grace:g} s"
-                        )
-                        stop_at = time.monotonic() + grace
-                    else:
-                        note(f"process {r} exited with {_signal_name(code)}")
-            if received and stop_at is None:
-                note(f"got {signal.Signals(received[0]).name}; stopping every process")
-                stop_at = time.monotonic()
-            now = time.monotonic()
-            if stop_at is not None and now >= stop_at and kill_at is None and running:
-                note(f"sending SIGTERM to process(es) {sorted(running)}")
-                send(signal.SIGTERM, running)
-                kill_at = now + kill_after
-            if kill_at is not None and now >= kill_at and running:
-                note(f"sending SIGKILL to process(es) {sorted(running)}")
-                send(signal.SIGKILL, running)
-                kill_at = float("inf")
-            time.sleep(0.05)
+        first_failure = _supervise(procs, grace, kill_after, received, note, send)
     finally:
         leftover = [r for r, p in procs.items() if p.poll() is None]
         send(signal.SIGKILL, leftover)
@@ -250,6 +203,80 @@ def launch(
     if received:
         return 128 + received[0]
     return 0
+
+
+def _check_launch_args(
+    command: Sequence[str],
+    num_processes: int,
+    total: int,
+    first_process_id: int,
+    devices_per_process: int | None,
+) -> None:
+    if not command or (command[0] == "-m" and len(command) < 2):
+        raise ValueError("launch: no script given; pass [script.py, *args] or ['-m', module].")
+    if num_processes < 1 or total < 1:
+        raise ValueError(
+            f"launch: num_processes={num_processes} and total_processes={total} must be >= 1."
+        )
+    if not 0 <= first_process_id <= total - num_processes:
+        raise ValueError(
+            f"launch: processes {first_process_id}..{first_process_id + num_processes - 1} "
+            f"do not fit in a group of {total} (ranks 0..{total - 1})."
+        )
+    if devices_per_process is not None and devices_per_process < 1:
+        raise ValueError(f"launch: devices_per_process={devices_per_process} must be >= 1.")
+    if command[0] != "-m" and not os.path.exists(command[0]):
+        raise ValueError(f"launch: script {command[0]!r} not found (cwd {os.getcwd()}).")
+
+
+def _supervise(
+    procs: dict[int, subprocess.Popen],
+    grace: float,
+    kill_after: float,
+    received: list[int],
+    note: Callable[[str], None],
+    send: Callable[[int, Any], None],
+) -> tuple[int, int] | None:
+    """Waits for every process; after the first failure (or a signal to the launcher)
+    sends SIGTERM to the rest after `grace` s, then SIGKILL after `kill_after` s more.
+    Returns ``(rank, exit code)`` of the first failure, or None."""
+    first_failure: tuple[int, int] | None = None
+    stop_at: float | None = None
+    kill_at: float | None = None
+    running = set(procs)
+    while running:
+        ended = {r: procs[r].poll() for r in sorted(running)}
+        ended = {r: c for r, c in ended.items() if c is not None}
+        # Processes that ended since the last look (50 ms ago): one killed by a signal
+        # is taken first, as the cause. Its peers then fail on their own within
+        # milliseconds (a collective's connection to it closes), with an exit code.
+        for r, code in sorted(ended.items(), key=lambda rc: (rc[1] >= 0, rc[0])):
+            running.discard(r)
+            if code == 0:
+                continue
+            if first_failure is None:
+                first_failure = (r, code)
+                note(
+                    f"process {r} exited with {_signal_name(code)}; stopping the others in "
+                    f"{grace:g} s"
+                )
+                stop_at = time.monotonic() + grace
+            else:
+                note(f"process {r} exited with {_signal_name(code)}")
+        if received and stop_at is None:
+            note(f"got {signal.Signals(received[0]).name}; stopping every process")
+            stop_at = time.monotonic()
+        now = time.monotonic()
+        if stop_at is not None and now >= stop_at and kill_at is None and running:
+            note(f"sending SIGTERM to process(es) {sorted(running)}")
+            send(signal.SIGTERM, running)
+            kill_at = now + kill_after
+        if kill_at is not None and now >= kill_at and running:
+            note(f"sending SIGKILL to process(es) {sorted(running)}")
+            send(signal.SIGKILL, running)
+            kill_at = float("inf")
+        time.sleep(0.05)
+    return first_failure
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -225,39 +225,12 @@ def pipeline_value_and_grad(
       (4, 8, 8)
     """
     where = "pipeline_value_and_grad"
-    names = tuple(mesh.axis_names)
-    for label, ax in (("stage_axis", stage_axis), ("data_axis", data_axis)):
-        if ax is not None and ax not in names:
-            raise ValueError(
-                f"{where}: {label}={ax!r} is not an axis of the mesh {names}; build the mesh "
-                f"with that axis, or pass {label}= one of {names}."
-            )
-    p = int(mesh.shape[stage_axis])
-    if isinstance(schedule, Schedule):
-        if schedule.num_stages != p:
-            raise ValueError(
-                f"{where}: the schedule has num_stages={schedule.num_stages} but mesh axis "
-                f"{stage_axis!r} has {p} devices; build the schedule for {p} stages or a mesh "
-                f"with {schedule.num_stages} devices on {stage_axis!r}."
-            )
-        if num_microbatches is not None and num_microbatches != schedule.num_microbatches:
-            raise ValueError(
-                f"{where}: num_microbatches={num_microbatches} but the schedule has "
-                f"{schedule.num_microbatches}; leave num_microbatches out."
-            )
-        sched = schedule
-    else:
-        if num_microbatches is None:
-            raise ValueError(
-                f"{where}: pass num_microbatches= with schedule={schedule!r} (or a Schedule)."
-            )
-        sched = schedule_from(schedule, p, num_microbatches)
+    sched, p, dp = _resolve_schedule(where, mesh, schedule, num_microbatches, stage_axis, data_axis)
     m = sched.num_microbatches
     sizes = sched.buffer_sizes()
     kinds_np, mbs_np = sched.as_arrays()
     fwd_perm = [(s, s + 1) for s in range(p - 1)]
     bwd_perm = [(s + 1, s) for s in range(p - 1)]
-    dp = int(mesh.shape[data_axis]) if data_axis is not None else 1
 
     def call_stage(params: Params, h: Any) -> tuple[Any, Params]:
         return _check_out(stage_fn(params, h), "stage_fn", "stage_fn", "h")
@@ -309,14 +282,7 @@ def pipeline_value_and_grad(
             h_aval = jax.eval_shape(lambda: first_fn(shared_params, x0)[0])
         h_zero = _zeros(h_aval)
         out_aval = jax.eval_shape(lambda: call_stage(tr.merge(st), h_zero)[0])
-        if jax.tree.map(lambda a: (a.shape, a.dtype), out_aval) != jax.tree.map(
-            lambda a: (a.shape, a.dtype), h_aval
-        ):
-            raise ValueError(
-                f"{where}: stage_fn maps an activation {_fmt(h_aval)} to {_fmt(out_aval)}; "
-                "every stage must keep the activation's shape and dtype (the stages pass it "
-                "on through fixed buffers). Move shape changes into first_fn / last_fn."
-            )
+        _check_keeps_activation(where, h_aval, out_aval)
 
         # Probe the VJP once (abstractly) to learn its residuals: which are the params
         # themselves (not stashed), which are static, which go into the stash.
@@ -328,23 +294,9 @@ def pipeline_value_and_grad(
 
             return jax.vjp(f, tr, tr_sh, h_recv, has_aux=True)
 
-        def split_res(vjp_fn, tr, tr_sh):
-            leaves, treedef = jax.tree.flatten(vjp_fn)
-            pid = {id(v): k for k, v in enumerate(jax.tree.leaves((tr, tr_sh)))}
-            kinds, stash = [], []
-            for v in leaves:
-                if id(v) in pid:
-                    kinds.append(("param", pid[id(v)]))
-                elif isinstance(v, (jax.Array, jax.core.Tracer)):
-                    kinds.append(("stash", len(stash)))
-                    stash.append(v)
-                else:
-                    kinds.append(("static", v))
-            return treedef, kinds, stash
-
         def probe(tr, tr_sh, h_recv, x_mb, y_mb, st, st_sh):
             _, vjp_fn, _ = vjp_of(tr, tr_sh, h_recv, x_mb, y_mb, st, st_sh)
-            layout["treedef"], layout["kinds"], stash = split_res(vjp_fn, tr, tr_sh)
+            layout["treedef"], layout["kinds"], stash = _split_residuals(vjp_fn, (tr, tr_sh))
             return stash
 
         res_aval = jax.eval_shape(probe, tr, tr_sh, h_zero, x0, y0, st, st_sh)
@@ -367,7 +319,7 @@ def pipeline_value_and_grad(
             (h_out, loss), vjp_fn, (st_new, st_sh_new) = vjp_of(
                 tr, tr_sh, h_recv, _take(xs, mb), _take(ys, mb), st, st_sh
             )
-            _, kinds, res = split_res(vjp_fn, tr, tr_sh)
+            _, kinds, res = _split_residuals(vjp_fn, (tr, tr_sh))
             if [k for k, _ in kinds] != [k for k, _ in layout["kinds"]]:
                 raise RuntimeError(f"{where}: the VJP residuals changed between two traces.")
             stash = [_put(b, mb % n_stash, r) for b, r in zip(stash, res, strict=True)]
@@ -376,16 +328,9 @@ def pipeline_value_and_grad(
 
         def backward(c, mb):
             st, st_sh, g, g_sh, loss_acc, stash, inbox_f, inbox_b = c
-            params_leaves = jax.tree.leaves((tr, tr_sh))
-            leaves = []
-            for kind, k in layout["kinds"]:
-                if kind == "param":
-                    leaves.append(params_leaves[k])
-                elif kind == "stash":
-                    leaves.append(_take(stash[k], mb % n_stash))
-                else:
-                    leaves.append(k)
-            vjp_fn = jax.tree.unflatten(layout["treedef"], leaves)
+            vjp_fn = _rebuild_vjp(
+                layout["treedef"], layout["kinds"], (tr, tr_sh), stash, mb % n_stash
+            )
             ct_h = jax.tree.map(
                 lambda v: jnp.where(is_last, jnp.zeros_like(v), v),
                 _take(inbox_b, mb % n_in_b),
@@ -442,27 +387,9 @@ def pipeline_value_and_grad(
         return loss, (g, g_sh), (st, st_sh_out)
 
     def step(stage_params: Params, shared_params: Params, inputs: Any, targets: Any):
-        for label, tree in (("stage_params", stage_params), ("shared_params", shared_params)):
-            if not isinstance(tree, Params):
-                raise TypeError(f"{where}: {label} must be Params, got {type(tree).__name__}.")
-        for path in stage_params.keys():
-            shape = jnp.shape(stage_params[path].value)
-            if not shape or shape[0] != p:
-                raise ValueError(
-                    f"{where}: stage parameter '{format_path(path)}' has shape {shape}, whose "
-                    f"leading (stage) dimension should be the {p} devices of mesh axis "
-                    f"{stage_axis!r}; stack one Params per stage with stack_stages (got "
-                    f"{shape[0] if shape else 'a scalar'} stages)."
-                )
-        for what, tree in (("inputs", inputs), ("targets", targets)):
-            for kp, x in jax.tree_util.tree_leaves_with_path(tree):
-                b = jnp.shape(x)[0] if jnp.ndim(x) else None
-                if b is None or b % (m * dp):
-                    raise ValueError(
-                        f"{where}: {what}{jax.tree_util.keystr(kp)} has batch size {b}, which "
-                        f"num_microbatches={m} x data-parallel {dp} does not divide; use a "
-                        f"batch that is a multiple of {m * dp}."
-                    )
+        _check_step_args(
+            where, stage_params, shared_params, inputs, targets, p, m * dp, stage_axis, m, dp
+        )
         spec_s = jax.tree.map(lambda _: PartitionSpec(stage_axis), stage_params)
         spec_sh = jax.tree.map(lambda _: PartitionSpec(), shared_params)
         spec_b = PartitionSpec(data_axis)
@@ -492,6 +419,123 @@ def pipeline_value_and_grad(
         return loss, grads, (stage_params.merge(st), shared_params.merge(st_sh))
 
     return step
+
+
+def _resolve_schedule(
+    where: str,
+    mesh: Mesh,
+    schedule: str | Schedule,
+    num_microbatches: int | None,
+    stage_axis: str,
+    data_axis: str | None,
+) -> tuple[Schedule, int, int]:
+    """Checks the mesh axes and the schedule; returns ``(schedule, p, data-axis size)``."""
+    names = tuple(mesh.axis_names)
+    for label, ax in (("stage_axis", stage_axis), ("data_axis", data_axis)):
+        if ax is not None and ax not in names:
+            raise ValueError(
+                f"{where}: {label}={ax!r} is not an axis of the mesh {names}; build the mesh "
+                f"with that axis, or pass {label}= one of {names}."
+            )
+    p = int(mesh.shape[stage_axis])
+    if isinstance(schedule, Schedule):
+        if schedule.num_stages != p:
+            raise ValueError(
+                f"{where}: the schedule has num_stages={schedule.num_stages} but mesh axis "
+                f"{stage_axis!r} has {p} devices; build the schedule for {p} stages or a mesh "
+                f"with {schedule.num_stages} devices on {stage_axis!r}."
+            )
+        if num_microbatches is not None and num_microbatches != schedule.num_microbatches:
+            raise ValueError(
+                f"{where}: num_microbatches={num_microbatches} but the schedule has "
+                f"{schedule.num_microbatches}; leave num_microbatches out."
+            )
+        sched = schedule
+    else:
+        if num_microbatches is None:
+            raise ValueError(
+                f"{where}: pass num_microbatches= with schedule={schedule!r} (or a Schedule)."
+            )
+        sched = schedule_from(schedule, p, num_microbatches)
+    dp = int(mesh.shape[data_axis]) if data_axis is not None else 1
+    return sched, p, dp
+
+
+def _check_step_args(
+    where: str,
+    stage_params: Any,
+    shared_params: Any,
+    inputs: Any,
+    targets: Any,
+    p: int,
+    batch_multiple: int,
+    stage_axis: str,
+    m: int,
+    dp: int,
+) -> None:
+    """The checks `step` runs before tracing: Params types, the stage dimension, batch."""
+    for label, tree in (("stage_params", stage_params), ("shared_params", shared_params)):
+        if not isinstance(tree, Params):
+            raise TypeError(f"{where}: {label} must be Params, got {type(tree).__name__}.")
+    for path in stage_params.keys():
+        shape = jnp.shape(stage_params[path].value)
+        if not shape or shape[0] != p:
+            raise ValueError(
+                f"{where}: stage parameter '{format_path(path)}' has shape {shape}, whose "
+                f"leading (stage) dimension should be the {p} devices of mesh axis "
+                f"{stage_axis!r}; stack one Params per stage with stack_stages (got "
+                f"{shape[0] if shape else 'a scalar'} stages)."
+            )
+    for what, tree in (("inputs", inputs), ("targets", targets)):
+        for kp, x in jax.tree_util.tree_leaves_with_path(tree):
+            b = jnp.shape(x)[0] if jnp.ndim(x) else None
+            if b is None or b % batch_multiple:
+                raise ValueError(
+                    f"{where}: {what}{jax.tree_util.keystr(kp)} has batch size {b}, which "
+                    f"num_microbatches={m} x data-parallel {dp} does not divide; use a "
+                    f"batch that is a multiple of {batch_multiple}."
+                )
+
+
+def _split_residuals(vjp_fn: Any, params: Any) -> tuple[Any, list, list]:
+    """The VJP closure's leaves sorted into the params themselves (not stashed: the
+    backward has them), arrays to stash, and static values."""
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    pid = {id(v): k for k, v in enumerate(jax.tree.leaves(params))}
+    kinds, stash = [], []
+    for v in leaves:
+        if id(v) in pid:
+            kinds.append(("param", pid[id(v)]))
+        elif isinstance(v, (jax.Array, jax.core.Tracer)):
+            kinds.append(("stash", len(stash)))
+            stash.append(v)
+        else:
+            kinds.append(("static", v))
+    return treedef, kinds, stash
+
+
+def _rebuild_vjp(treedef: Any, kinds: list, params: Any, stash: list, slot: jax.Array) -> Any:
+    """The VJP closure back from `_split_residuals`' parts, its stash read at `slot`."""
+    params_leaves = jax.tree.leaves(params)
+    leaves = []
+    for kind, k in kinds:
+        if kind == "param":
+            leaves.append(params_leaves[k])
+        elif kind == "stash":
+            leaves.append(_take(stash[k], slot))
+        else:
+            leaves.append(k)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _check_keeps_activation(where: str, h_aval: Any, out_aval: Any) -> None:
+    shapes = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)  # noqa: E731
+    if shapes(out_aval) != shapes(h_aval):
+        raise ValueError(
+            f"{where}: stage_fn maps an activation {_fmt(h_aval)} to {_fmt(out_aval)}; "
+            "every stage must keep the activation's shape and dtype (the stages pass it "
+            "on through fixed buffers). Move shape changes into first_fn / last_fn."
+        )
 
 
 def _fmt(aval: Any) -> str:
