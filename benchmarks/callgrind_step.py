@@ -52,28 +52,12 @@ def mlp_steps(which: str):
 
 def lstm_steps(which: str):
     """``(step, state, x, y)`` of the LSTM step of ``layers_speed.py`` (full size)."""
-    import jax.numpy as jnp
     import layers_speed
-    import numpy as np
 
-    batch, steps, features, hidden = 16, 200, 8, 64
-    rs = np.random.default_rng(0)
-    x = jnp.asarray(rs.standard_normal((batch, steps, features), dtype=np.float32))
-    y = jnp.asarray(np.sin(np.cumsum(np.asarray(x)[..., :1], axis=1)).astype(np.float32))
-    tx = optax.adam(1e-3)
-    g = bx.Graph("net")
-    rng = bx.Rng(g / "rng")
-    model = layers_speed.LSTMRegressor(g / "model", hidden, rng)
-    _, params = model(rng.seed(bx.Params(), seed=0), x)
-    params = params.locked()
+    model, params, raw, _, x, y, tx = layers_speed.lstm_workload(200)
     if which == "blox":
         step = jax.jit(_workloads.split_merge_step(model, tx), donate_argnums=(0, 1))
         return step, [params, tx.init(params.split()[0])], x, y
-    base = ("net", "model")
-    names = ["lstm/gates/kernel", "lstm/gates/bias", "head/kernel", "head/bias"]
-    raw = _workloads.raw_dict(
-        params, {n.replace("/gates", ""): (*base, *n.split("/")) for n in names}
-    )
     step = jax.jit(layers_speed.raw_step(tx), donate_argnums=(0, 1))
     return step, [raw, tx.init(raw)], x, y
 

@@ -83,22 +83,32 @@ def hlo_stats(jitted, *args) -> tuple[float, int]:
     return _timing.compiled_flops(compiled), _timing.count_transposes(compiled)
 
 
-def build_lstm(quick: bool) -> tuple[list[Contender], list[Pair], list[str], list[list[str]]]:
-    batch, steps, features, hidden = 16, (10 if quick else 200), 8, 64
+BATCH, FEATURES, HIDDEN = 16, 8, 64
+
+
+def lstm_workload(steps: int):
+    """``(model, params, raw, paths, x, y, tx)`` of the LSTM step: the blox model and its
+    locked params, the same weights as the raw dict (its paths in `params`), a batch of
+    `steps` time steps and the optimizer. Also used by ``callgrind_step.py``."""
     rs = np.random.default_rng(0)
-    x = jnp.asarray(rs.standard_normal((batch, steps, features), dtype=np.float32))
+    x = jnp.asarray(rs.standard_normal((BATCH, steps, FEATURES), dtype=np.float32))
     y = jnp.asarray(np.sin(np.cumsum(np.asarray(x)[..., :1], axis=1)).astype(np.float32))
     tx = optax.adam(1e-3)
 
     g = bx.Graph("net")
     rng = bx.Rng(g / "rng")
-    model = LSTMRegressor(g / "model", hidden, rng)
+    model = LSTMRegressor(g / "model", HIDDEN, rng)
     _, params = model(rng.seed(bx.Params(), seed=0), x)
     params = params.locked()
     base = ("net", "model")
     names = ["lstm/gates/kernel", "lstm/gates/bias", "head/kernel", "head/bias"]
     paths = {n.replace("/gates", ""): (*base, *n.split("/")) for n in names}
-    raw = _workloads.raw_dict(params, paths)
+    return model, params, _workloads.raw_dict(params, paths), paths, x, y, tx
+
+
+def build_lstm(quick: bool) -> tuple[list[Contender], list[Pair], list[str], list[list[str]]]:
+    batch, steps, features, hidden = BATCH, (10 if quick else 200), FEATURES, HIDDEN
+    model, params, raw, paths, x, y, tx = lstm_workload(steps)
     b_step, r_step = _workloads.split_merge_step(model, tx), raw_step(tx)
     b_jit, r_jit = jax.jit(b_step), jax.jit(r_step)
     b_state, r_state = _workloads.fresh_states(tx, params, raw)

@@ -21,7 +21,6 @@ Method and ratios as in ``core_overhead.py`` (see ``_timing.py``).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import _raw
@@ -74,7 +73,7 @@ def build():
     rp, ro, r_loss = raw_step(*r_state(), x, y)
     for name, fn in (("(a)", hand), ("(b)", lambda p, o, x, y: _unpack(helper(p, o, x, y)))):
         bp, _, b_loss = fn(*b_state(), x, y)
-        diff = max(float(jnp.max(jnp.abs(bp[(*PATH, *k.split("/"))].value - rp[k]))) for k in raw)
+        diff = _max_diff(bp, rp)
         np.testing.assert_allclose(float(b_loss), float(r_loss), rtol=1e-6, atol=1e-6)
         assert diff <= 1e-6, (name, diff)
         checks.append(
@@ -85,7 +84,7 @@ def build():
     for _ in range(K):
         rp, ro, r_loss = raw_step(rp, ro, x, y)
     mp, _, m = multi(*b_state(), xs, ys)
-    diff = max(float(jnp.max(jnp.abs(mp[(*PATH, *k.split("/"))].value - rp[k]))) for k in raw)
+    diff = _max_diff(mp, rp)
     assert diff <= 1e-5, diff
     np.testing.assert_allclose(float(m["loss"][-1]), float(r_loss), rtol=1e-5)
     checks.append(
@@ -93,7 +92,7 @@ def build():
         f"|weight diff| after {K} Adam steps {diff:.1e}"
     )
     sp, _, s_losses = jax.jit(_raw_scan(_raw.train_step(NAMES, tx)))(*r_state(), xs, ys)
-    diff = max(float(jnp.max(jnp.abs(mp[(*PATH, *k.split("/"))].value - sp[k]))) for k in raw)
+    diff = _max_diff(mp, sp)
     assert diff <= 1e-5, diff
     np.testing.assert_allclose(np.asarray(m["loss"]), np.asarray(s_losses), rtol=1e-5)
     checks.append(
@@ -114,9 +113,10 @@ def build():
         _raw_k_contender(
             jax.jit(_raw.train_step(NAMES, tx), donate_argnums=(0, 1)), r_state(), x, y
         ),
-        _raw_scan_contender(
+        _workloads.stepper(
+            "raw scan x10",
             jax.jit(_raw_scan(_raw.train_step(NAMES, tx)), donate_argnums=(0, 1)),
-            r_state(),
+            *r_state(),
             xs,
             ys,
         ),
@@ -150,6 +150,14 @@ def build():
         ),
     ]
     return contenders, pairs, checks
+
+
+def _max_diff(blox_params, raw: dict) -> float:
+    """The largest |blox - raw| over the MLP's weights."""
+    return max(
+        float(jnp.max(jnp.abs(blox_params[(*PATH, *k.split("/"))].value - v)))
+        for k, v in raw.items()
+    )
 
 
 def _unpack(out):
@@ -192,25 +200,18 @@ def _raw_scan(step):
     return run
 
 
-def _raw_scan_contender(run, state, xs, ys) -> Contender:
-    s = list(state)
-
-    def call():
-        s[0], s[1], losses = run(s[0], s[1], xs, ys)
-        return losses
-
-    return Contender("raw scan x10", call)
-
-
 def render(env, command, started, counts: Counts, quick: bool, pairs, checks) -> str:
     header = ["step", "blox us/call", "raw us/call", "ratio (median of rounds)"]
     header += ["min-based ratio", "per-round ratios (min - max)", "target", "verdict"]
     lines = [
-        "## Train step helpers: blox.train vs raw JAX",
-        "",
-        *_timing.run_header(env, started, command),
-        _timing.counts_bullet(*counts, "interleaved", "numbers meaningless" if quick else None),
-        "",
+        *_timing.report_head(
+            "Train step helpers: blox.train vs raw JAX",
+            env,
+            started,
+            command,
+            counts,
+            "numbers meaningless" if quick else None,
+        ),
         "Workload: tiny MLP 32->64->64->10 (`bx.MLP`), batch 32, MSE, `optax.adam(1e-3)`, "
         "every step `jax.jit(..., donate_argnums=(0, 1))` (the *not donated* rows: plain "
         "`jax.jit`, against plain raw). (a) is the split/grad/merge step "
@@ -229,10 +230,7 @@ def render(env, command, started, counts: Counts, quick: bool, pairs, checks) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    COUNTS.add_to(ap, quick_help="few calls (smoke test)")
-    args = ap.parse_args(argv)
-    counts = COUNTS.resolve(ap, args)
+    args, counts = COUNTS.parse(argv, __doc__, "few calls (smoke test)")
     started, env, command = _timing.start_run("blox train step")
     contenders, pairs, checks = build()
     for c in checks:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as md
-import pathlib
 import re
 import sys
 import tomllib
@@ -23,8 +22,8 @@ import numpy as np
 import pytest
 
 import blox as bx
+from tests.scripts import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 

@@ -193,7 +193,7 @@ class Module:
         >>> fc.peek_param(params.locked(), 'kernel').shape
         (3, 4)
         """
-        return params.value(self.graph.path + (name,), default)
+        return params.value(self.param_path(name), default)
 
     @property
     def path_str(self) -> str:

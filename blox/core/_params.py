@@ -427,9 +427,7 @@ class Params:
         >>> params.value(('net', 'b')) is None, params.value(('net', 'b'), 0.0)
         (True, 0.0)
         """
-        path = _check_path(path)
-        i = self._struct.index.get(path)
-        return default if i is None else self._values[i]
+        return self._get_value(_check_path(path), default)
 
     def __contains__(self, path: object) -> bool:
         return isinstance(path, tuple) and path in self._struct.index

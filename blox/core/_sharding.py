@@ -167,19 +167,25 @@ def dot_out_sharding(
     if not _all_explicit(mesh, (x_spec[n - 1], k_spec[0])):
         return None
     used = {a for e in batch for a in _axes_of(e)}
-    col = k_spec[1]
-    if col is not None and (used & set(_axes_of(col)) or not _all_explicit(mesh, (col,))):
-        col = None
-    return NamedSharding(mesh, PartitionSpec(*batch, col))
+    return NamedSharding(mesh, PartitionSpec(*batch, _free_col(mesh, k_spec[1], used)))
 
 
-def _mesh_of(*arrays: jax.Array) -> Any:
-    """The (abstract) mesh of the first array whose type carries one, else None."""
+def _explicit_mesh(*arrays: jax.Array) -> Any:
+    """The (abstract) mesh of the first array whose type carries one, if that mesh has
+    Explicit axes; None off a mesh and on Auto meshes."""
     for a in arrays:
         mesh = getattr(jax.typeof(a).sharding, "mesh", None)
         if mesh is not None and not mesh.empty:
-            return mesh
+            return mesh if mesh.explicit_axes else None
     return None
+
+
+def _free_col(mesh: Any, col: Any, used: set) -> Any:
+    """An output's feature spec `col` (from a kernel or table), kept when its axes are
+    Explicit and not `used` by the output's other dimensions, else None (replicated)."""
+    if col is not None and (used & set(_axes_of(col)) or not _all_explicit(mesh, (col,))):
+        return None
+    return col
 
 
 def _axes_size(mesh: Any, entry: Any) -> int:
@@ -214,8 +220,8 @@ def conv_out_sharding(
     r_spec = _padded_spec(jax.typeof(rhs).sharding.spec, rhs.ndim)
     if all(e is None for e in r_spec) and l_spec[lhs_dims[1]] is None:
         return None
-    mesh = _mesh_of(lhs, rhs)
-    if mesh is None or not mesh.explicit_axes:
+    mesh = _explicit_mesh(lhs, rhs)
+    if mesh is None:
         return None
     out: list[Any] = [None] * len(out_shape)
     used: set = set()
@@ -225,13 +231,8 @@ def conv_out_sharding(
         if entry is not None and out_shape[o_dim] % _axes_size(mesh, entry) == 0:
             out[o_dim] = entry
             used |= set(_axes_of(entry))
-    col = r_spec[rhs_dims[0]]
-    if (
-        col is not None
-        and not used & set(_axes_of(col))
-        and _all_explicit(mesh, (col,))
-        and out_shape[out_dims[1]] % _axes_size(mesh, col) == 0
-    ):
+    col = _free_col(mesh, r_spec[rhs_dims[0]], used)
+    if col is not None and out_shape[out_dims[1]] % _axes_size(mesh, col) == 0:
         out[out_dims[1]] = col
     return NamedSharding(mesh, PartitionSpec(*out))
 
@@ -310,15 +311,12 @@ def take_out_sharding(table: jax.Array, indices: jax.Array) -> NamedSharding | N
     t_spec = _padded_spec(jax.typeof(table).sharding.spec, 2)
     if all(e is None for e in t_spec):
         return None
-    mesh = _mesh_of(table, indices)
-    if mesh is None or not mesh.explicit_axes:
+    mesh = _explicit_mesh(table, indices)
+    if mesh is None:
         return None
     i_spec = _padded_spec(jax.typeof(indices).sharding.spec, indices.ndim)
     used = {a for e in i_spec for a in _axes_of(e)}
-    col = t_spec[1]
-    if col is not None and (used & set(_axes_of(col)) or not _all_explicit(mesh, (col,))):
-        col = None
-    return NamedSharding(mesh, PartitionSpec(*i_spec, col))
+    return NamedSharding(mesh, PartitionSpec(*i_spec, _free_col(mesh, t_spec[1], used)))
 
 
 def reshard_like(x: Any, like: Any) -> Any:
@@ -327,10 +325,9 @@ def reshard_like(x: Any, like: Any) -> Any:
     ``lax.scan`` must keep its type); `x` itself otherwise."""
 
     def one(a: jax.Array, b: jax.Array) -> jax.Array:
-        want = jax.typeof(b).sharding
-        mesh = getattr(want, "mesh", None)
-        if mesh is None or mesh.empty or not mesh.explicit_axes:
+        if _explicit_mesh(b) is None:
             return a
+        want = jax.typeof(b).sharding
         have = jax.typeof(a).sharding
         if _padded_spec(have.spec, a.ndim) == _padded_spec(want.spec, b.ndim):
             return a
@@ -343,10 +340,9 @@ def zeros_on_batch(shape: tuple[int, ...], dtype: Any, like: jax.Array) -> jax.A
     """Zeros of `shape` whose leading (batch) dimension takes the spec of `like`'s
     leading dimension on an Explicit mesh (a recurrent layer's initial state next to its
     batch-sharded input), the other dimensions replicated; plain zeros elsewhere."""
-    sh = jax.typeof(like).sharding
-    mesh = getattr(sh, "mesh", None)
-    spec = _padded_spec(sh.spec, like.ndim) if like.ndim else ()
-    if mesh is None or mesh.empty or not mesh.explicit_axes or not spec or spec[0] is None:
+    mesh = _explicit_mesh(like)
+    spec = _padded_spec(jax.typeof(like).sharding.spec, like.ndim) if like.ndim else ()
+    if mesh is None or not spec or spec[0] is None:
         return jnp.zeros(shape, dtype)
     out = PartitionSpec(spec[0], *([None] * (len(shape) - 1)))
     return jnp.zeros(shape, dtype, out_sharding=NamedSharding(mesh, out))
@@ -358,11 +354,10 @@ def split_out_sharding(x: jax.Array, dim: int, sizes: tuple[int, int]) -> NamedS
     the outer size is not divisible by the axes); None elsewhere. The axes go to the
     outer dimension when they divide it, else to the inner one, else nowhere
     (replicated); the compiler moves the data."""
-    sh = jax.typeof(x).sharding
-    mesh = getattr(sh, "mesh", None)
-    if mesh is None or mesh.empty or not mesh.explicit_axes:
+    mesh = _explicit_mesh(x)
+    if mesh is None:
         return None
-    spec = _padded_spec(sh.spec, x.ndim)
+    spec = _padded_spec(jax.typeof(x).sharding.spec, x.ndim)
     entry = spec[dim]
     if entry is None:
         return None
@@ -376,10 +371,7 @@ def split_out_sharding(x: jax.Array, dim: int, sizes: tuple[int, int]) -> NamedS
 def explicit_sharding(x: jax.Array) -> NamedSharding | None:
     """`x`'s sharding type on an Explicit mesh (to restore it after a reshape), or None
     off a mesh and on Auto meshes."""
+    if _explicit_mesh(x) is None:
+        return None
     sh = jax.typeof(x).sharding
-    mesh = getattr(sh, "mesh", None)
-    if mesh is None or mesh.empty or not mesh.explicit_axes:
-        return None
-    if all(e is None for e in sh.spec):
-        return None
-    return sh
+    return None if all(e is None for e in sh.spec) else sh

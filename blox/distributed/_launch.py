@@ -245,8 +245,7 @@ def _supervise(
     kill_at: float | None = None
     running = set(procs)
     while running:
-        ended = {r: procs[r].poll() for r in sorted(running)}
-        ended = {r: c for r, c in ended.items() if c is not None}
+        ended = {r: c for r in sorted(running) if (c := procs[r].poll()) is not None}
         # Processes that ended since the last look (50 ms ago): one killed by a signal
         # is taken first, as the cause. Its peers then fail on their own within
         # milliseconds (a collective's connection to it closes), with an exit code.

@@ -254,7 +254,7 @@ class _ConvBase(Module):
         y: jax.Array,
         batch: tuple[int, ...],
         cd: Any,
-        shardings: tuple[NamedSharding | None, NamedSharding | None] = (None, None),
+        shardings: tuple[NamedSharding | None, NamedSharding | None],
     ) -> tuple[jax.Array, Params]:
         sharding, placement = shardings
         if self.use_bias:

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from blox.core import Graph, Module, Params, Rng
 from blox.core._module import stored_shape_error, torch_weight_hint
 from blox.core._params import format_path
-from blox.core._sharding import dot_out_sharding, resolve_out_sharding
+from blox.core._sharding import dot_out_sharding, reshard_dim, resolve_out_sharding
 from blox.nn._dtype import compute_dtype
 
 __all__ = ["Linear", "MLP"]
@@ -139,7 +139,7 @@ class Linear(Module):
             )
             bias = bias.astype(cd)
             if dot_sharding is not None:
-                bias = _reshard_features(bias, dot_sharding, x.ndim)
+                bias = reshard_dim(bias, 0, dot_sharding, x.ndim - 1)
             y = y + jnp.expand_dims(bias, tuple(range(y.ndim - 1)))
         if constraint is not None:
             y = jax.lax.with_sharding_constraint(y, constraint)
@@ -262,15 +262,3 @@ class MLP(Module):
             if i < last or self.activate_final:
                 x = self.activation(x)
         return x, params
-
-
-def _reshard_features(bias: jax.Array, out: NamedSharding, ndim: int) -> jax.Array:
-    """`bias` ``(D_out,)`` moved to the feature spec of the output sharding `out` (of an
-    ``ndim``-dim output) when it is sharded otherwise, so the bias add keeps `out`."""
-    spec = tuple(out.spec)
-    want = spec[ndim - 1] if len(spec) == ndim else None
-    have = jax.typeof(bias).sharding.spec
-    have = have[0] if len(have) else None
-    if have is None or have == want:
-        return bias
-    return jax.sharding.reshard(bias, NamedSharding(out.mesh, PartitionSpec(want)))

@@ -387,9 +387,7 @@ def pipeline_value_and_grad(
         return loss, (g, g_sh), (st, st_sh_out)
 
     def step(stage_params: Params, shared_params: Params, inputs: Any, targets: Any):
-        _check_step_args(
-            where, stage_params, shared_params, inputs, targets, p, m * dp, stage_axis, m, dp
-        )
+        _check_step_args(where, stage_params, shared_params, inputs, targets, p, stage_axis, m, dp)
         spec_s = jax.tree.map(lambda _: PartitionSpec(stage_axis), stage_params)
         spec_sh = jax.tree.map(lambda _: PartitionSpec(), shared_params)
         spec_b = PartitionSpec(data_axis)
@@ -468,7 +466,6 @@ def _check_step_args(
     inputs: Any,
     targets: Any,
     p: int,
-    batch_multiple: int,
     stage_axis: str,
     m: int,
     dp: int,
@@ -489,11 +486,11 @@ def _check_step_args(
     for what, tree in (("inputs", inputs), ("targets", targets)):
         for kp, x in jax.tree_util.tree_leaves_with_path(tree):
             b = jnp.shape(x)[0] if jnp.ndim(x) else None
-            if b is None or b % batch_multiple:
+            if b is None or b % (m * dp):
                 raise ValueError(
                     f"{where}: {what}{jax.tree_util.keystr(kp)} has batch size {b}, which "
                     f"num_microbatches={m} x data-parallel {dp} does not divide; use a "
-                    f"batch that is a multiple of {batch_multiple}."
+                    f"batch that is a multiple of {m * dp}."
                 )
 
 

@@ -11,7 +11,7 @@ from jax.typing import ArrayLike
 
 from blox.core import Graph, Params, Rng
 from blox.ts._models import SysIdModel
-from blox.ts._tcn import conv_front
+from blox.ts._tcn import TCNBlocks
 
 __all__ = ["CRNN"]
 
@@ -79,7 +79,15 @@ class CRNN(SysIdModel):
         super().__init__(
             graph, u_stats, y_stats, n_skip=n_skip, dtype=dtype, param_dtype=param_dtype
         )
-        self.tcn = conv_front(self, rng, channels, kernel_size, dilations, activation)
+        self.tcn = self._child(
+            TCNBlocks,
+            "tcn",
+            channels,
+            rng,
+            kernel_size=kernel_size,
+            dilations=dilations,
+            activation=activation,
+        )
         self.rnn = self._make_rnn(rng, hidden_size, num_layers, cell, is_static)
         self.head = self._output_linear(rng)
 

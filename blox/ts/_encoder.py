@@ -95,13 +95,12 @@ class EncoderModel(SysIdModel):
         self.n_init = n_init
         self.rnn = self._make_rnn(rng, hidden_size, num_layers, cell, is_static)
         per_layer = 2 if cell == "lstm" else 1
-        self.encoder = MLP(
-            graph / "encoder",
+        self.encoder = self._child(
+            MLP,
+            "encoder",
             (*tuple(encoder_sizes), num_layers * per_layer * hidden_size),
             rng,
             activation=jnp.tanh,
-            dtype=dtype,
-            param_dtype=param_dtype,
         )
         self.head = self._output_linear(rng)
 

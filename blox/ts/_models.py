@@ -169,31 +169,24 @@ class SysIdModel(Module):
             "prev_state, is_reset) -> ((out, state), params) or override __call__."
         )
 
+    def _child(self, cls: type, name: str, *args: Any, **kwargs: Any) -> Any:
+        """``cls(<path>/<name>, *args, **kwargs)`` in this model's dtypes (its RNN stack,
+        heads, convolutional front end, encoder)."""
+        return cls(
+            self.graph / name, *args, dtype=self.dtype, param_dtype=self.param_dtype, **kwargs
+        )
+
     def _make_rnn(
         self, rng: Rng | None, hidden_size: int, num_layers: int, cell: str, is_static: bool
     ) -> RNNStack:
         """The `RNNStack` at ``<path>/rnn``, in this model's dtypes."""
-        return RNNStack(
-            self.graph / "rnn",
-            hidden_size,
-            rng,
-            num_layers=num_layers,
-            cell=cell,
-            is_static=is_static,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
+        return self._child(
+            RNNStack, "rnn", hidden_size, rng, num_layers=num_layers, cell=cell, is_static=is_static
         )
 
     def _output_linear(self, rng: Rng | None, name: str = "head", **kwargs: Any) -> Linear:
         """A `Linear` at ``<path>/<name>`` to the Cy outputs, in this model's dtypes."""
-        return Linear(
-            self.graph / name,
-            self.num_outputs,
-            rng,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            **kwargs,
-        )
+        return self._child(Linear, name, self.num_outputs, rng, **kwargs)
 
     def _zero_rnn_state(self, params: Params, u_t: ArrayLike) -> tuple[Any, Params]:
         """Zeros for every layer of ``self.rnn``, for ``u_t`` ``[B, Cu]``."""

@@ -176,7 +176,15 @@ class TCN(SysIdModel):
         super().__init__(
             graph, u_stats, y_stats, n_skip=n_skip, dtype=dtype, param_dtype=param_dtype
         )
-        self.tcn = conv_front(self, rng, channels, kernel_size, dilations, activation)
+        self.tcn = self._child(
+            TCNBlocks,
+            "tcn",
+            channels,
+            rng,
+            kernel_size=kernel_size,
+            dilations=dilations,
+            activation=activation,
+        )
         self.head = self._output_linear(rng)
 
     @property
@@ -195,24 +203,3 @@ class TCN(SysIdModel):
         h, params = self.tcn(params, z)
         out, params = self.head(params, h)
         return (out, None), params
-
-
-def conv_front(
-    model: SysIdModel,
-    rng: Rng | None,
-    channels: int,
-    kernel_size: int,
-    dilations: Sequence[int],
-    activation: Callable[[jax.Array], jax.Array],
-) -> TCNBlocks:
-    """The `TCNBlocks` at ``<model's path>/tcn`` in the model's dtypes (`TCN`, `CRNN`)."""
-    return TCNBlocks(
-        model.graph / "tcn",
-        channels,
-        rng,
-        kernel_size=kernel_size,
-        dilations=dilations,
-        activation=activation,
-        dtype=model.dtype,
-        param_dtype=model.param_dtype,
-    )

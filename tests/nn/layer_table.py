@@ -478,7 +478,7 @@ DESCRIPTORS: list[Descriptor] = [
         bx.upsample,
         lambda node, rng: None,
         normal(2, 3, 3, 4),
-        call=_fn(lambda x: bx.upsample(x)),
+        call=_fn(bx.upsample),
         no_bad_reason="a function, not a layer: its errors name the function",
         rules=(),
         in_spec=P("data", None, None, "model"),
@@ -500,20 +500,29 @@ def public_modules() -> dict[str, type]:
     return out
 
 
-def numpy_params(init: Callable, params: bx.Params, *args: Any) -> bx.Params:
+def filled_params(
+    init: Callable, params: bx.Params, *args: Any, fill: Callable[[str, Any], np.ndarray]
+) -> bx.Params:
     """The params that ``init(params, *args)`` (a layer call returning ``(outputs,
     params)``) creates, without compiling any initializer (random initializers cost
     seconds of XLA compilation per shape): the layer's own paths, shapes, dtypes, flags
     and metadata from ``jax.eval_shape``, the arrays already in `params` (the `Rng`'s)
-    kept, NumPy normals elsewhere (kernels scaled by ``1 / sqrt(fan_in)``, positive
-    scales and variances)."""
+    kept, ``fill(path, shape_dtype)`` (a NumPy array) for every new one."""
     _, abstract = jax.eval_shape(init, params, *args)
     given = {"/".join(k): v for k, v in params.arrays().items()}
 
     def one(kp, s):
         path = kp[0].key
-        if path in given:
-            return given[path]
+        return given[path] if path in given else jnp.asarray(fill(path, s))
+
+    return jax.tree_util.tree_map_with_path(one, abstract)
+
+
+def numpy_params(init: Callable, params: bx.Params, *args: Any) -> bx.Params:
+    """`filled_params` with NumPy normals (kernels scaled by ``1 / sqrt(fan_in)``,
+    positive scales and variances), seeded by the path."""
+
+    def normal(path, s):
         v = np.random.default_rng(zlib.crc32(path.encode())).standard_normal(s.shape)
         if len(s.shape) >= 2:
             v = v / np.sqrt(np.prod(s.shape[:-1]))
@@ -521,9 +530,9 @@ def numpy_params(init: Callable, params: bx.Params, *args: Any) -> bx.Params:
             v = 1.0 + 0.2 * np.abs(v)
         else:
             v = 0.2 * v
-        return jnp.asarray(v.astype(s.dtype))
+        return v.astype(s.dtype)
 
-    return jax.tree_util.tree_map_with_path(one, abstract)
+    return filled_params(init, params, *args, fill=normal)
 
 
 def cast_floats(tree: Any, dtype: Any) -> Any:

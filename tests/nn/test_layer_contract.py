@@ -43,7 +43,6 @@ from tests.nn.layer_table import (
     numpy_params,
     public_modules,
 )
-from tests.tolerances import tol
 
 IDS = [d.name for d in DESCRIPTORS]
 ROWS = pytest.mark.parametrize("name", IDS)
@@ -127,7 +126,6 @@ def _assert_same_params(new: bx.Params, params: bx.Params) -> None:
     chex.assert_trees_all_equal_shapes_and_dtypes(new, params)
 
 
-F32 = tol(jnp.float32)
 F32_DEEP = dict(rtol=1e-5, atol=1e-5)  # jit / vmap / mesh vs a reference: other fusions
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import blox as bx
+from tests.nn.layer_table import filled_params
 from tests.tolerances import tol
 
 DTYPES = ["float32", "float64"]
@@ -94,19 +95,11 @@ def lstm_bias_from_torch(b: np.ndarray) -> np.ndarray:
 
 
 def layout(init, params: bx.Params, *args) -> bx.Params:
-    """The params that ``init(params, *args)`` (a layer call returning ``(outputs,
-    params)``) creates, without compiling any initializer: paths, shapes, dtypes, flags
-    and metadata from ``jax.eval_shape``; the arrays already in `params` (the `Rng`'s)
-    kept. Every new floating array is NaN, so a weight that `load_weights` does not
-    overwrite shows in the outputs; new integer arrays are zero."""
-    _, abstract = jax.eval_shape(init, params, *args)
-    given = {"/".join(k): v for k, v in params.arrays().items()}
+    """`filled_params` with every new floating array NaN, so a weight that
+    `load_weights` does not overwrite shows in the outputs; new integer arrays are zero."""
 
-    def one(kp, s):
-        path = kp[0].key
-        if path in given:
-            return given[path]
+    def nan(path, s):
         fill = np.nan if np.issubdtype(np.dtype(s.dtype), np.floating) else 0
-        return jnp.asarray(np.full(s.shape, fill, s.dtype))
+        return np.full(s.shape, fill, s.dtype)
 
-    return jax.tree_util.tree_map_with_path(one, abstract)
+    return filled_params(init, params, *args, fill=nan)
