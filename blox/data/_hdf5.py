@@ -7,9 +7,12 @@ ones fall back to h5py, opened lazily in each process that reads.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import math
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +28,14 @@ _LAYOUTS = {
     h5py.h5d.CHUNKED: "chunked",
     h5py.h5d.COMPACT: "compact",
 }
+
+# Files whose h5py notice this process has logged: (real path, dataset) pairs. Only
+# deduplicates a log line (one notice per file and process, however many indexes read it).
+_NOTICED: set[tuple[str, str]] = set()
+_NOTICED_LOCK = threading.Lock()
+
+# Dataset kinds read as numbers: bool, signed/unsigned integers, floats, complex.
+_NUMERIC_KINDS = "biufc"
 
 _REWRITE = (
     "To memory-map it, store it contiguous: h5repack -l CONTI {file} out.h5, or in h5py "
@@ -75,6 +86,34 @@ class DatasetInfo:
         return f"stored with the {self.layout} layout"
 
 
+def _what_dtype(dtype: np.dtype) -> str:
+    """Words for a non-numeric dtype (the message of the dtype check)."""
+    if h5py.check_string_dtype(dtype) is not None or dtype.kind in "SU":
+        length = "variable-length" if dtype.kind == "O" else "fixed-length"
+        return f"{length} strings"
+    if h5py.check_vlen_dtype(dtype) is not None:
+        return "variable-length sequences"
+    if dtype.kind == "O":
+        return "objects (references or variable-length data)"
+    if dtype.names:
+        return f"a compound type with fields {list(dtype.names)}"
+    if dtype.subdtype is not None:
+        return f"arrays of shape {dtype.shape} per element"
+    return "opaque bytes"
+
+
+def _check_numeric(file: str, name: str, dset: h5py.Dataset) -> None:
+    dtype = np.dtype(dset.dtype)
+    if dtype.kind in _NUMERIC_KINDS and dtype.subdtype is None and not dtype.names:
+        return
+    raise ValueError(
+        f"HDF5 file {file!r}, dataset {name!r} holds {_what_dtype(dtype)} (dtype "
+        f"{dtype}), not numbers; blox.data reads numeric datasets only (bool, int, float, "
+        "complex). Leave it out of the dataset/signal names, or store it as numbers "
+        "(e.g. text labels as integer codes, a compound type as one dataset per field)."
+    )
+
+
 def _describe(file: str, name: str, dset: h5py.Dataset) -> DatasetInfo:
     plist = dset.id.get_create_plist()
     layout = _LAYOUTS.get(plist.get_layout(), "virtual")
@@ -103,25 +142,43 @@ class HDF5Index:
     """Where each requested dataset of each HDF5 file lives; reads rows of them.
 
     Each file is opened once with h5py (here, at construction) to record, for every
-    requested dataset, its shape, dtype, layout and byte offset. Reads then go through
-    ``np.memmap`` for contiguous datasets (one read-only map per file and process) and
-    through h5py for chunked or compressed ones (one handle per file and process, opened
-    on the first read). Nothing open is pickled: an index sent to a Grain worker process
-    reopens what it needs there, so it is safe with ``mp_prefetch`` and
-    ``grain.DataLoader`` workers.
+    requested dataset, its shape, dtype, layout and byte offset; datasets that do not
+    hold numbers (strings, compound types, references) are refused there, before any
+    read. Reads then go through ``np.memmap`` for contiguous datasets (one read-only map
+    per file) and through h5py for chunked or compressed ones (one handle per file,
+    opened on the first read). At most `max_open_files` maps and handles are open at
+    once in each process (least recently used closed first), so thousands of files
+    stay within the OS limit on open files (``ulimit -n``: 256 on macOS, 1024 on Linux).
+    Nothing open is pickled: an index sent to a Grain worker process reopens what it
+    needs there, so it is safe with ``mp_prefetch`` and ``grain.DataLoader`` workers.
 
-    Files that need h5py get one logged notice each (logger ``'blox.data'``, level
-    WARNING); with ``mmap_only=True`` they raise instead.
+    Files that need h5py get one logged notice each per process (logger
+    ``'blox.data'``, level WARNING; a second index over the same file logs nothing);
+    with ``mmap_only=True`` they raise instead.
+
+    **In-memory cache** (``cache_bytes > 0``): a dataset read through h5py (chunked or
+    compressed) whose size is at most `cache_bytes` is read whole on its first use,
+    decompressed, and later windows are sliced from memory; the cache holds at most
+    `cache_bytes` in each process (least recently used dropped first). Use it for small
+    compressed recordings that fit in memory (the TSFast ``cache=True`` case): the h5py
+    path decompresses whole chunks for every window, many times slower than a memory
+    map. Each worker process keeps its own cache, so the memory is ``cache_bytes``
+    times the number of processes. Memory-mapped datasets are never cached (the OS page
+    cache already keeps them).
 
     Args:
       files: paths of HDF5 files.
       datasets: dataset paths inside every file (e.g. ``['u', 'y']``).
       mmap_only: raise a ``ValueError`` for any dataset that cannot be memory-mapped
         instead of falling back to h5py.
+      max_open_files: most memory maps plus h5py handles open at once in one process
+        (>= 1).
+      cache_bytes: the in-memory cache's size per process in bytes (0: no cache).
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for a file that is
-    not HDF5, a missing dataset, a group given as a dataset, or (``mmap_only``) a
-    chunked/compressed dataset; each message names the file, the dataset and the fix.
+    not HDF5, a missing dataset, a group given as a dataset, a dataset that does not
+    hold numbers, or (``mmap_only``) a chunked/compressed dataset; each message names
+    the file, the dataset and the fix.
 
     >>> import h5py, numpy as np, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), 'run.h5')
@@ -140,7 +197,15 @@ class HDF5Index:
         datasets: Sequence[str],
         *,
         mmap_only: bool = False,
+        max_open_files: int = 32,
+        cache_bytes: int = 0,
     ):
+        for arg, value, low in (
+            ("max_open_files", max_open_files, 1),
+            ("cache_bytes", cache_bytes, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+                raise ValueError(f"HDF5Index: {arg} must be an int >= {low}, got {value!r}.")
         if isinstance(files, str | os.PathLike):
             raise TypeError(
                 f"HDF5Index: files must be a list of paths, got the single path {files!r}. "
@@ -158,11 +223,21 @@ class HDF5Index:
         if not self.datasets:
             raise ValueError("HDF5Index: no dataset names given, e.g. datasets=['u', 'y'].")
         self.mmap_only = bool(mmap_only)
+        self.max_open_files = int(max_open_files)
+        self.cache_bytes = int(cache_bytes)
         self._infos: list[dict[str, DatasetInfo]] = [self._scan(f) for f in self.files]
-        self._cache_pid: int | None = None
-        self._maps: dict[int, np.memmap] = {}
-        self._views: dict[tuple[int, str], np.ndarray] = {}
-        self._handles: dict[int, h5py.File] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        # Per-process state: open maps/handles (LRU), cached arrays (LRU), their lock.
+        self._cache_pid: int | None = os.getpid()
+        self._lock = threading.Lock()
+        # ('map', file) -> (np.memmap, {name: view});  ('h5', file) -> h5py.File
+        self._open: collections.OrderedDict[tuple[str, int], Any] = collections.OrderedDict()
+        self._cached: collections.OrderedDict[tuple[int, str], np.ndarray] = (
+            collections.OrderedDict()
+        )
+        self._cached_bytes = 0
 
     def _scan(self, file: str) -> dict[str, DatasetInfo]:
         if not os.path.exists(file):
@@ -194,6 +269,7 @@ class HDF5Index:
                         f"{sorted(obj.keys())}. Name a dataset inside it, e.g. "
                         f"'{name}/{next(iter(obj.keys()), 'x')}'."
                     )
+                _check_numeric(file, name, obj)
                 infos[name] = _describe(file, name, obj)
         slow = [i for i in infos.values() if not i.memmap]
         if slow and self.mmap_only:
@@ -203,6 +279,10 @@ class HDF5Index:
                 f"be memory-mapped (mmap_only=True). {_REWRITE.format(file=file, name=i.name)} "
                 "Or pass mmap_only=False to read it through h5py (slower)."
             )
+        real = os.path.realpath(file)
+        with _NOTICED_LOCK:
+            slow = [i for i in slow if (real, i.name) not in _NOTICED]
+            _NOTICED.update((real, i.name) for i in slow)
         if slow:
             logger.warning(
                 "HDF5 file %r: %s read through h5py, not a memory map (%s). %s",
@@ -218,48 +298,104 @@ class HDF5Index:
         return self._infos[file][name]
 
     def _check_pid(self) -> None:
-        # Maps and handles belong to the process that opened them; a forked or spawned
-        # worker opens its own.
-        pid = os.getpid()
-        if self._cache_pid != pid:
-            self._maps, self._views, self._handles, self._cache_pid = {}, {}, {}, pid
+        # Maps, handles and cached arrays belong to the process that opened them; a
+        # forked or spawned worker opens its own.
+        if self._cache_pid != os.getpid():
+            self._reset()
+
+    def _opened(self, key: tuple[str, int]) -> Any:
+        """The open map or handle `key` (opened if needed; least recently used closed)."""
+        with self._lock:
+            entry = self._open.get(key)
+            if entry is not None:
+                self._open.move_to_end(key)
+                return entry
+            kind, file = key
+            if kind == "map":
+                entry = (np.memmap(self.files[file], dtype=np.uint8, mode="r"), {})
+            else:
+                entry = h5py.File(self.files[file], "r")
+            self._open[key] = entry
+            while len(self._open) > self.max_open_files:
+                # Dropping the reference closes a map once no read still uses it (views
+                # keep it alive); an h5py file closes when its last dataset object goes.
+                self._open.popitem(last=False)
+            return entry
+
+    def _cached_array(self, file: int, name: str, info: DatasetInfo) -> np.ndarray | None:
+        if not self.cache_bytes or info.memmap:
+            return None
+        nbytes = math.prod(info.shape) * info.dtype.itemsize
+        if nbytes > self.cache_bytes:
+            return None
+        key = (file, name)
+        with self._lock:
+            arr = self._cached.get(key)
+            if arr is not None:
+                self._cached.move_to_end(key)
+                return arr
+        arr = np.asarray(self._opened(("h5", file))[name][()])
+        with self._lock:
+            if key not in self._cached:
+                self._cached[key] = arr
+                self._cached_bytes += arr.nbytes
+            while self._cached_bytes > self.cache_bytes:
+                _, old = self._cached.popitem(last=False)
+                self._cached_bytes -= old.nbytes
+        return arr
 
     def array(self, file: int, name: str) -> Any:
-        """An array-like over the whole dataset: a ``np.memmap`` view or an h5py dataset.
+        """An array-like over the whole dataset: a ``np.memmap`` view, a cached array or
+        an h5py dataset.
 
-        Slicing it (``a[start:stop]``) reads those rows only.
+        Slicing it (``a[start:stop]``) reads those rows only. Use it right away: an h5py
+        dataset becomes unreadable once `max_open_files` later files have been opened.
         """
         self._check_pid()
-        view = self._views.get((file, name))
-        if view is not None:
-            return view
         info = self._infos[file][name]
         if info.memmap:
-            mm = self._maps.get(file)
-            if mm is None:
-                mm = self._maps[file] = np.memmap(self.files[file], dtype=np.uint8, mode="r")
-            view = np.ndarray(info.shape, dtype=info.dtype, buffer=mm, offset=info.offset)
-            self._views[(file, name)] = view
+            mm, views = self._opened(("map", file))
+            view = views.get(name)
+            if view is None:
+                view = np.ndarray(info.shape, dtype=info.dtype, buffer=mm, offset=info.offset)
+                views[name] = view
             return view
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._handles[file] = h5py.File(self.files[file], "r")
-        return handle[name]
+        cached = self._cached_array(file, name, info)
+        if cached is not None:
+            return cached
+        return self._opened(("h5", file))[name]
 
     def read(self, file: int, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` of dataset `name` in file number `file`, as a new array."""
         return np.array(self.array(file, name)[start:stop])
 
     def close(self) -> None:
-        """Closes this process's maps and h5py handles (later reads reopen them)."""
-        for handle in self._handles.values():
-            handle.close()
-        self._maps, self._views, self._handles = {}, {}, {}
+        """Closes this process's maps and h5py handles and empties the cache (later reads
+        reopen them)."""
+        self._check_pid()
+        with self._lock:
+            for (kind, _), entry in self._open.items():
+                if kind == "h5":
+                    entry.close()
+            self._open.clear()
+            self._cached.clear()
+            self._cached_bytes = 0
+
+    @property
+    def open_files(self) -> int:
+        """How many memory maps and h5py handles this process holds open now."""
+        self._check_pid()
+        return len(self._open)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_maps={}, _views={}, _handles={}, _cache_pid=None)
+        for key in ("_cache_pid", "_lock", "_open", "_cached", "_cached_bytes"):
+            state.pop(key)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
 
     def __repr__(self) -> str:
         n_map = sum(i.memmap for infos in self._infos for i in infos.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import grain
@@ -38,6 +39,33 @@ def _stack(source: Any, ids: np.ndarray, start: int | None, stop: int | None) ->
     return {k: np.stack([item[k] for item in items]) for k in items[0]}
 
 
+def _probe(source: Any, chunk: int | None) -> None:
+    """Reads item 0 here, at build time, so that a source that cannot be read, or one
+    that gives a TBPTT pipeline an ``'is_first'`` array, fails now and in this process
+    (not at the first read, possibly in a worker process mid-epoch)."""
+    try:
+        if getattr(source, "get_batch", None) is not None:
+            first = source.get_batch(np.zeros((1,), np.int64))
+        else:
+            first = source[0]
+    except (ValueError, TypeError, OSError, KeyError, IndexError) as e:
+        kind = next(
+            t for t in (OSError, TypeError, KeyError, IndexError, ValueError) if isinstance(e, t)
+        )
+        raise kind(f"pipeline: reading item 0 of {source!r} failed at build time: {e}") from e
+    if not isinstance(first, Mapping):
+        raise TypeError(
+            f"pipeline: {source!r} gives items of type {type(first).__name__}; items must be "
+            "dicts of arrays such as {'u': [L, C], 'y': [L, C]}."
+        )
+    if chunk is not None and IS_FIRST in first:
+        raise ValueError(
+            f"pipeline: {source!r} has an array or signal named {IS_FIRST!r}, which TBPTT "
+            f"order (tbptt_chunk={chunk}) adds to every batch; rename it (e.g. "
+            f"ArraySource({{'first': ...}}) or signals={{'first': ...}})."
+        )
+
+
 def _allow_grain_flag_reads() -> None:
     # Grain 0.2.18 reads the absl flag --grain_enable_multiprocess_worker_profiling when it
     # starts worker processes and jaxlib has profiler hooks (jaxlib >= 0.10); outside
@@ -46,6 +74,87 @@ def _allow_grain_flag_reads() -> None:
     # parses its own command line is unaffected).
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    """The shuffle seed of epoch `epoch`: `seed` itself for epoch 0, then one drawn from
+    ``np.random.SeedSequence([seed, epoch])`` (no overlap between neighbouring seeds)."""
+    if epoch == 0:
+        return int(seed)
+    return int(np.random.SeedSequence([int(seed), int(epoch)]).generate_state(1)[0])
+
+
+class _EpochShuffle:
+    """Global index -> item id: epoch ``e`` permuted by Grain's index shuffle with
+    `_epoch_seed` (seed, e) (picklable; used through ``MapDataset.map_with_index``)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, int(seed)
+        self._last = (0, _epoch_seed(self.seed, 0))
+
+    def __call__(self, index: int, _item: int) -> int:
+        epoch, i = divmod(int(index), self.n)
+        last_epoch, s = self._last
+        if epoch != last_epoch:
+            s = _epoch_seed(self.seed, epoch)
+            self._last = (epoch, s)
+        return int(grain.experimental.index_shuffle(i, max_index=self.n - 1, seed=s, rounds=4))
+
+
+class _ClosingIterator(grain.DatasetIterator):
+    """A worker pipeline's iterator that lets go of Grain's iterator on ``close()``.
+
+    Grain's iterators close again in ``__del__``; one still referenced at interpreter
+    exit (e.g. ``it`` at a script's top level) does so after the modules are torn down
+    and prints "Exception ignored in ... __del__". Releasing it on ``close()`` lets it
+    be collected while the modules still exist. Batches are plain NumPy arrays (copied
+    out of Grain's shared memory, whose blocks print the same noise when still held at
+    exit).
+    """
+
+    def __init__(self, inner: grain.DatasetIterator):
+        super().__init__()
+        self._inner = inner
+
+    def __next__(self) -> Any:
+        if self._inner is None:
+            raise ValueError("pipeline: this iterator was closed; make a new one with iter(ds).")
+        batch = next(self._inner)
+        # Arrays from workers arrive in shared memory (Grain's SharedMemoryArray), whose
+        # __del__ fails at interpreter exit when the program still holds them: a copy
+        # into a plain array (one memcpy in this process) frees the block right away.
+        return {
+            k: np.array(v) if isinstance(v, np.ndarray) and type(v) is not np.ndarray else v
+            for k, v in batch.items()
+        }
+
+    def get_state(self) -> dict[str, Any]:
+        if self._inner is None:
+            raise ValueError("pipeline: this iterator was closed; make a new one with iter(ds).")
+        return self._inner.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if self._inner is None:
+            raise ValueError("pipeline: this iterator was closed; make a new one with iter(ds).")
+        self._inner.set_state(state)
+
+    def close(self) -> None:
+        inner, self._inner = getattr(self, "_inner", None), None
+        if inner is not None:
+            inner.close()
+
+
+class _ClosingIterDataset(grain.IterDataset):
+    """`pipeline`'s dataset when it has worker processes: iterators are `_ClosingIterator`."""
+
+    def __init__(self, parent: grain.IterDataset):
+        super().__init__(parent)
+
+    def __iter__(self) -> _ClosingIterator:
+        return _ClosingIterator(self._parent.__iter__())
+
+    def __str__(self) -> str:
+        return "ClosingIterDataset"
 
 
 class _ReadRows:
@@ -106,14 +215,27 @@ def pipeline(
     (with workers too). The batches do not depend on ``num_workers``, ``read_threads``
     or ``prefetch``. Close iterators of pipelines with workers (``it.close()``).
 
+    **Epochs**: epoch 0 is shuffled by Grain's index shuffle with `seed` (the order of
+    ``grain.MapDataset.range(n).shuffle(seed)``), epoch ``e >= 1`` with the seed drawn
+    from ``np.random.SeedSequence([seed, e])``, so no epoch of one seed repeats an epoch
+    of a neighbouring seed (``seed + e`` would make seed 0's second epoch seed 1's first).
+
+    **Checked at build time**: item 0 is read once here, so a source that cannot be
+    read fails now, in this process, not in a worker process mid-epoch. With a final
+    partial batch (``len(source) % batch_size != 0``) and ``drop_remainder=False``,
+    ``num_epochs=None`` is refused (a partial batch at every epoch's end is a new shape,
+    so a recompilation of the step every epoch), and so is ``shard_count > 1`` (the
+    processes would get unequal parts, some empty, which
+    ``blox.distributed.global_batch`` refuses): pass ``drop_remainder=True``.
+
     **Sharding across processes**: ``batch_size`` is the *global* batch; process
     ``shard_index`` of ``shard_count`` reads rows ``[shard_index * b, (shard_index + 1)
     * b)`` of every global batch (``b = batch_size // shard_count``), so the processes
     together see exactly the batches of a single process, and
     ``jax.make_array_from_process_local_data`` assembles them. Pass
     ``shard_index=jax.process_index(), shard_count=jax.process_count()`` (nothing is
-    read from JAX implicitly). A final partial batch (``drop_remainder=False``) gives
-    shards fewer rows, possibly none.
+    read from JAX implicitly). Several shards need full batches: ``drop_remainder=True``,
+    or a ``batch_size`` that divides ``len(source)``.
 
     **TBPTT order** (``tbptt_chunk=c``): every item (window of length L) is cut into
     ``K = L // c`` consecutive chunks; a group of ``batch_size`` items gives K batches in
@@ -131,7 +253,8 @@ def pipeline(
       seed: the shuffle seed (required with ``shuffle``), an int in ``[0, 2**32)``.
       num_epochs: passes over the data; ``None`` repeats forever (step-based
         training: take as many batches as steps).
-      drop_remainder: drop a final partial batch (of each epoch).
+      drop_remainder: drop a final partial batch (of each epoch); needed when there is
+        one and ``num_epochs=None`` or ``shard_count > 1``.
       tbptt_chunk: chunk length for TBPTT order, or ``None``.
       shard_index: this process's shard.
       shard_count: number of shards (processes); must divide ``batch_size``.
@@ -199,26 +322,44 @@ def pipeline(
     n = len(source)
     if n == 0:
         raise ValueError(f"pipeline: the source {source!r} is empty.")
+    partial = n % batch_size
+    if partial and not drop_remainder and shard_count > 1:
+        raise ValueError(
+            f"pipeline: {n} items leave a final partial batch of {partial} (batch_size="
+            f"{batch_size}) each epoch, which shard_count={shard_count} processes would get "
+            f"as unequal parts (some empty), and blox.distributed.global_batch refuses "
+            "unequal parts. Pass drop_remainder=True (shuffled epochs drop different items), "
+            f"or a global batch_size that divides {n}."
+        )
+    if partial and not drop_remainder and num_epochs is None:
+        raise ValueError(
+            f"pipeline: num_epochs=None with drop_remainder=False ends every epoch with a "
+            f"partial batch of {partial} items ({n} items, batch_size={batch_size}): a new "
+            "shape for the jitted step, so a recompilation every epoch. Pass "
+            f"drop_remainder=True, a batch_size that divides {n}, or a number of epochs."
+        )
     local = batch_size // shard_count
     lo, hi = shard_index * local, (shard_index + 1) * local
+    chunk = num_chunks = None
+    if tbptt_chunk is not None:
+        num_chunks = tbptt_chunks(source, tbptt_chunk)
+        chunk = int(tbptt_chunk)
+    _probe(source, chunk)
 
     ids = grain.MapDataset.range(n)
     if shuffle:
-        ids = ids.shuffle(seed=int(seed))
+        ids = ids.map_with_index(_EpochShuffle(n, int(seed)))
     ids = ids.batch(batch_size, drop_remainder=drop_remainder)
     if len(ids) == 0:
         raise ValueError(
             f"pipeline: {n} items make no full batch of {batch_size} and drop_remainder=True. "
             "Use a smaller batch_size or drop_remainder=False."
         )
-    if tbptt_chunk is None:
+    if chunk is None:
         ds = ids.map(_ReadRows(source, lo, hi))
     else:
-        if tbptt_chunk is not None and IS_FIRST in getattr(source, "signals", {}):
-            raise ValueError(f"pipeline: a signal is named {IS_FIRST!r}; rename it for TBPTT.")
-        num_chunks = tbptt_chunks(source, tbptt_chunk)
         chunks = grain.experimental.FlatMapMapDataset(ids, ChunkSplit(num_chunks))
-        ds = chunks.map(_ReadChunk(source, lo, hi, int(tbptt_chunk)))
+        ds = chunks.map(_ReadChunk(source, lo, hi, chunk))
     if num_epochs != 1:
         ds = ds.repeat(num_epochs)
     it_ds = ds.to_iter_dataset(
@@ -231,4 +372,5 @@ def pipeline(
                 num_workers=num_workers, per_worker_buffer_size=max(prefetch, 1)
             )
         )
+        it_ds = _ClosingIterDataset(it_ds)
     return it_ds

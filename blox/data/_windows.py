@@ -61,13 +61,22 @@ class WindowedSource:
         different lengths then cannot be batched together).
       stride: steps between the starts of consecutive windows of a file (>= 1).
       dtype: the dtype of the returned arrays (default float32); ``None`` keeps the
-        files' dtype (the promotion of a signal's datasets).
+        files' dtype (the promotion of a signal's datasets). Complex datasets need a
+        complex dtype (or ``None``): they are never cast to real.
       mmap_only: raise instead of reading chunked/compressed datasets through h5py.
+      max_open_files: most memory maps and h5py handles open at once per process (see
+        `HDF5Index`).
+      cache_bytes: keep chunked/compressed datasets of at most this many bytes in
+        memory after their first read, up to this many bytes per process (see
+        `HDF5Index`; 0: no cache).
 
-    Raises ``ValueError`` naming the file and dataset for: a missing dataset, a dataset
-    of rank other than 1 or 2, datasets of one file with different lengths (``u`` and
-    ``y`` must share the time axis), a window longer than a file, and (``mmap_only``) a
-    dataset that cannot be memory-mapped; ``FileNotFoundError`` for a missing file.
+    Every check runs here, at construction, so bad files fail before training starts
+    rather than at the first read in a worker process. Raises ``ValueError`` naming the
+    file and dataset for: a missing dataset, a dataset that does not hold numbers
+    (strings, compound types), a complex dataset with a real `dtype`, a dataset of rank
+    other than 1 or 2, datasets of one file with different lengths (``u`` and ``y`` must
+    share the time axis), a window longer than a file, and (``mmap_only``) a dataset
+    that cannot be memory-mapped; ``FileNotFoundError`` for a missing file.
 
     >>> import h5py, numpy as np, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), 'run.h5')
@@ -92,10 +101,18 @@ class WindowedSource:
         stride: int = 1,
         dtype: Any = np.float32,
         mmap_only: bool = False,
+        max_open_files: int = 32,
+        cache_bytes: int = 0,
     ):
         self.signals = _signal_map(signals)
         names = list(dict.fromkeys(n for group in self.signals.values() for n in group))
-        self.index = HDF5Index(files, names, mmap_only=mmap_only)
+        self.index = HDF5Index(
+            files,
+            names,
+            mmap_only=mmap_only,
+            max_open_files=max_open_files,
+            cache_bytes=cache_bytes,
+        )
         self.files = self.index.files
         if window is not None and (isinstance(window, bool) or int(window) != window or window < 1):
             raise ValueError(f"WindowedSource: window must be an int >= 1 or None, got {window!r}.")
@@ -147,6 +164,8 @@ class WindowedSource:
         self.dtypes: dict[str, np.dtype] = {
             k: np.dtype(dtypes[k] if dtype is None else dtype) for k in self.signals
         }
+        for key, out in self.dtypes.items():
+            self._check_complex(key, out, "dtype")
         if self.window is None:
             counts = [1] * len(lengths)
         else:
@@ -180,6 +199,32 @@ class WindowedSource:
         start = local * self.stride
         return f, start, start + self.window
 
+    def _check_complex(self, key: str, out: np.dtype, arg: str) -> None:
+        if out.kind == "c":
+            return
+        if not hasattr(self, "_complex"):  # the first complex dataset of each signal
+            self._complex = {
+                k: next(
+                    (
+                        self.index.info(f, n)
+                        for n in group
+                        for f in range(len(self.files))
+                        if self.index.info(f, n).dtype.kind == "c"
+                    ),
+                    None,
+                )
+                for k, group in self.signals.items()
+            }
+        info = self._complex[key]
+        if info is not None:
+            raise ValueError(
+                f"HDF5 file {info.file!r}, dataset {info.name!r} (signal {key!r}) is "
+                f"complex ({info.dtype}); {arg}={out} would drop its imaginary part. Pass "
+                "dtype=None (keeps the file's complex dtype) or dtype=np.complex64, or "
+                "store the real and imaginary parts as two datasets, e.g. "
+                f"signals={{{key!r}: ['{info.name}_re', '{info.name}_im']}}."
+            )
+
     def read(self, file: int, start: int, stop: int, *, dtype: Any = None) -> dict[str, np.ndarray]:
         """Rows ``[start, stop)`` of file number `file`: ``{signal: [stop - start, C]}``.
 
@@ -187,6 +232,8 @@ class WindowedSource:
         """
         out = {}
         for key, group in self.signals.items():
+            if dtype is not None:
+                self._check_complex(key, np.dtype(dtype), "dtype")
             arr = np.empty((stop - start, self.channels[key]), dtype or self.dtypes[key])
             self._fill(arr, file, group, start, stop)
             out[key] = arr

@@ -18,14 +18,16 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import h5py
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.typing import ArrayLike
+from jax.typing import ArrayLike, DTypeLike
+
+from blox.data import WindowedSource
 
 __all__ = [
     "SILVERBOX_FS",
@@ -430,10 +432,42 @@ def make_dataset(
     return DatasetFiles(**names, fs=fs, config=config)
 
 
-def read_recordings(paths: Sequence[str]) -> list[dict[str, np.ndarray]]:
-    """Reads whole recordings: ``[{'u': [T, 1], 'y': [T, 1]}, ...]`` (float32)."""
-    out = []
-    for p in paths:
-        with h5py.File(p, "r") as f:
-            out.append({k: np.asarray(f[k], np.float32).reshape(len(f[k]), -1) for k in f})
-    return out
+def read_recordings(
+    paths: Sequence[str | os.PathLike],
+    signals: Mapping[str, str | Sequence[str]] | Sequence[str] = ("u", "y"),
+    *,
+    dtype: DTypeLike | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """Reads whole recordings through `blox.data`: ``[{'u': [T, Cu], 'y': [T, Cy]}, ...]``.
+
+    A thin use of ``blox.data.WindowedSource(paths, signals, window=None, dtype=dtype)``
+    (one item per file): the same checks (missing datasets, non-numeric or complex data,
+    ``u`` and ``y`` of different lengths, all named with file and dataset), memory maps
+    for contiguous datasets and the h5py fallback for the others. Only the datasets
+    named in `signals` are read, and their dtype is kept unless `dtype` is given.
+
+    Args:
+      paths: HDF5 file paths.
+      signals: ``{name: dataset or [datasets]}`` or a list of dataset names (default
+        ``('u', 'y')``), as for `blox.data.WindowedSource`.
+      dtype: the output dtype; ``None`` keeps the files' dtype (float32 for files
+        written by `write_hdf5`; a signal whose files differ gets their promotion).
+
+    Returns:
+      One dict per file, in order: ``{signal: [T_f, C]}``.
+
+    >>> import os, tempfile, numpy as np
+    >>> p = write_hdf5(os.path.join(tempfile.mkdtemp(), 'r.h5'), u=np.arange(4.0), y=np.ones(4))
+    >>> rec = read_recordings([p])
+    >>> rec[0]['u'][:, 0], rec[0]['y'].shape, rec[0]['y'].dtype
+    (array([0., 1., 2., 3.], dtype=float32), (4, 1), dtype('float32'))
+    >>> read_recordings([p], {'y': 'y'}, dtype=np.float64)[0]['y'].dtype
+    dtype('float64')
+    """
+    if isinstance(paths, str | os.PathLike):
+        raise TypeError(
+            f"read_recordings: paths must be a list of paths, got the single path {paths!r}. "
+            f"Wrap it in a list: [{os.fspath(paths)!r}]."
+        )
+    src = WindowedSource(paths, signals, window=None, dtype=dtype)
+    return [src.read(f, 0, length) for f, length in enumerate(src.lengths)]

@@ -31,10 +31,20 @@ def _ref_batches(ref, order, batch_size, drop_remainder):
     return out
 
 
+def _epoch_seed(seed, epoch):
+    """The documented per-epoch seed: `seed`, then SeedSequence([seed, epoch])."""
+    if epoch == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+
+
 def _grain_order(n, seed, epochs):
-    """The item order Grain's own index shuffle gives, epoch after epoch."""
-    shuffled = grain.MapDataset.range(n).shuffle(seed=seed)
-    return [[int(shuffled[e * n + i]) for i in range(n)] for e in range(epochs)]
+    """The item order Grain's own index shuffle gives each epoch with its epoch seed."""
+    orders = []
+    for e in range(epochs):
+        shuffled = grain.MapDataset.range(n).shuffle(seed=_epoch_seed(seed, e))
+        orders.append([int(shuffled[i]) for i in range(n)])
+    return orders
 
 
 def _take(ds, k):
@@ -85,6 +95,21 @@ def test_shuffled_epochs_are_permutations_by_seed(files):
     assert not np.array_equal(other["y"], expected[0]["y"])
 
 
+def test_epochs_of_neighbouring_seeds_do_not_overlap():
+    # Grain's own repeat shuffles epoch e with seed + e: seed 0's epoch 1 was seed 1's epoch 0
+    n = 20
+    src = ArraySource({"id": np.arange(n)})
+
+    def epochs(seed):
+        kw = dict(batch_size=n, shuffle=True, seed=seed, num_epochs=None)
+        return [b["id"].tolist() for b in _take(pipeline(src, **kw), 3)]
+
+    s0, s1 = epochs(0), epochs(1)
+    assert all(sorted(e) == list(range(n)) for e in s0 + s1)
+    assert s0[1] != s1[0] and s0[2] != s1[1]
+    assert s0 == _grain_order(n, 0, 3) and s1 == _grain_order(n, 1, 3)
+
+
 def test_threads_and_prefetch_do_not_change_batches(files):
     paths, _ = files
     src = WindowedSource(paths, SIGNALS, window=5, stride=2)
@@ -97,7 +122,7 @@ def test_threads_and_prefetch_do_not_change_batches(files):
 def test_two_worker_processes_yield_the_in_process_batches(files):
     paths, _ = files
     src = WindowedSource(paths, SIGNALS, window=6, stride=5)
-    kw = dict(batch_size=2, shuffle=True, seed=11, num_epochs=None)
+    kw = dict(batch_size=2, shuffle=True, seed=11, num_epochs=None, drop_remainder=True)
     expected = _take(pipeline(src, **kw), 7)
     got = _take(pipeline(src, num_workers=2, **kw), 7)
     _assert_batches_equal(got, expected)
@@ -126,7 +151,9 @@ def test_resume_with_worker_processes_in_tbptt_order(files):
     # workers, TBPTT order and resume together; the in-process run is the reference
     paths, _ = files
     src = WindowedSource(paths, SIGNALS, window=6, stride=3)
-    kw = dict(batch_size=2, shuffle=True, seed=2, num_epochs=None, tbptt_chunk=3)
+    kw = dict(
+        batch_size=2, shuffle=True, seed=2, num_epochs=None, tbptt_chunk=3, drop_remainder=True
+    )
     uninterrupted = _take(pipeline(src, **kw), 7)
     kw["num_workers"] = 2
     it = iter(pipeline(src, **kw))

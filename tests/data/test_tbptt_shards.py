@@ -26,8 +26,11 @@ def test_tbptt_rows_continue_and_flags_mark_sequence_starts(tmp_path, shard_coun
     groups_per_epoch = n // batch
     epochs = 2
     # the sequence order Grain's index shuffle gives (the reference for which item is where)
-    shuffled = grain.MapDataset.range(n).shuffle(seed=9)
-    order = [int(shuffled[i]) for i in range(epochs * n) if i % n < groups_per_epoch * batch]
+    order = []
+    for e in range(epochs):  # epoch e: Grain's shuffle with seed 9, then SeedSequence([9, e])
+        s = 9 if e == 0 else int(np.random.SeedSequence([9, e]).generate_state(1)[0])
+        shuffled = grain.MapDataset.range(n).shuffle(seed=s)
+        order += [int(shuffled[i]) for i in range(groups_per_epoch * batch)]
     local = batch // shard_count
     for shard in range(shard_count):
         ds = pipeline(
@@ -95,16 +98,19 @@ def test_tbptt_errors(tmp_path):
     with pytest.raises(ValueError, match=r"needs items of one fixed length.*window=None"):
         pipeline(whole, batch_size=2, tbptt_chunk=5)
     named = WindowedSource(paths, {"is_first": "u0"}, window=10)
-    with pytest.raises(ValueError, match=r"a signal is named 'is_first'; rename it"):
+    with pytest.raises(ValueError, match=r"array or signal named 'is_first'.*rename it"):
         pipeline(named, batch_size=2, tbptt_chunk=5)
+    arrays = ArraySource({"x": np.zeros((4, 10, 1)), "is_first": np.zeros((4, 10))})
+    with pytest.raises(ValueError, match=r"array or signal named 'is_first'.*tbptt_chunk=5"):
+        pipeline(arrays, batch_size=2, tbptt_chunk=5)
 
 
 @pytest.mark.parametrize("shard_count", [2, 4])
-@pytest.mark.parametrize("drop_remainder", [True, False])
-def test_shards_are_disjoint_and_cover_the_index(shard_count, drop_remainder):
-    n, batch = 22, 8  # 22 = 2 full batches + 6: the last batch is partial
+@pytest.mark.parametrize("n", [22, 24])  # 22: a partial last batch, 24 = 3 full batches
+def test_shards_are_disjoint_and_cover_the_index(shard_count, n):
+    batch = 8
     src = ArraySource({"id": np.arange(n), "x": np.arange(n * 3.0).reshape(n, 3)})
-    kw = dict(batch_size=batch, shuffle=True, seed=1, drop_remainder=drop_remainder)
+    kw = dict(batch_size=batch, shuffle=True, seed=1, drop_remainder=n % batch != 0)
     single = list(pipeline(src, **kw))
     shards = [
         list(pipeline(src, shard_index=s, shard_count=shard_count, **kw))
@@ -119,15 +125,38 @@ def test_shards_are_disjoint_and_cover_the_index(shard_count, drop_remainder):
         assert len(set(flat)) == len(flat)  # disjoint within the batch
         assert flat == whole["id"].tolist()  # together: the single-process batch, in order
         np.testing.assert_array_equal(np.concatenate([p["x"] for p in parts]), whole["x"])
-        if len(whole["id"]) == batch:
-            assert all(len(i) == batch // shard_count for i in ids)
+        assert all(len(i) == batch // shard_count for i in ids)  # equal parts, always
         seen += flat
     assert len(seen) == len(set(seen))  # no window read twice in an epoch
-    covered = n - n % batch if drop_remainder else n
     assert sorted(seen) == sorted(np.concatenate([b["id"] for b in single]).tolist())
-    assert len(seen) == covered
-    if not drop_remainder:
+    assert len(seen) == n - n % batch
+    if n % batch == 0:
         assert sorted(seen) == list(range(n))  # every window
+
+
+@pytest.mark.parametrize("num_epochs", [1, None])
+def test_partial_batch_refused_for_shards_and_endless_epochs(num_epochs):
+    # issue 22 item 13: shards of a partial batch would be unequal ([4, 2] or [4, 0]),
+    # which blox.distributed.global_batch rejects; issue 23 item 10: an endless pipeline
+    # with a partial batch per epoch recompiles the step every epoch.
+    n, batch = 22, 8
+    src = ArraySource({"id": np.arange(n)})
+    kw = dict(batch_size=batch, shuffle=True, seed=1, num_epochs=num_epochs)
+    with pytest.raises(ValueError, match=r"partial batch of 6.*drop_remainder=True"):
+        pipeline(src, shard_index=0, shard_count=2, **kw)
+    with pytest.raises(ValueError, match=r"global_batch refuses.*drop_remainder=True"):
+        pipeline(src, shard_index=1, shard_count=4, **kw)
+    if num_epochs is None:
+        with pytest.raises(ValueError, match=r"num_epochs=None with drop_remainder=False.*6"):
+            pipeline(src, **kw)
+    else:  # one process, finite epochs: the partial batch is allowed
+        assert [len(b["id"]) for b in pipeline(src, **kw)] == [8, 8, 6]
+    # the fix the messages name gives equal parts, and full batches need no drop
+    fixed = _take(pipeline(src, shard_index=1, shard_count=2, drop_remainder=True, **kw), 2)
+    assert [len(b["id"]) for b in fixed] == [4, 4]
+    even = ArraySource({"id": np.arange(24)})
+    parts = [_take(pipeline(even, shard_index=s, shard_count=2, **kw), 3) for s in (0, 1)]
+    assert [len(b["id"]) for p in parts for b in p] == [4] * 6
 
 
 def test_hdf5_shards_read_only_their_rows(tmp_path):
@@ -135,22 +164,9 @@ def test_hdf5_shards_read_only_their_rows(tmp_path):
     src = WindowedSource(paths, SIGNALS, window=5, stride=2)
     ref = reference_windows(arrays, SIGNALS_LISTS, 5, 2)
     n = len(ref)
-    single = _take(pipeline(src, batch_size=6, shuffle=True, seed=4, num_epochs=None), 5)
-    parts = [
-        _take(
-            pipeline(
-                src,
-                batch_size=6,
-                shuffle=True,
-                seed=4,
-                num_epochs=None,
-                shard_index=s,
-                shard_count=3,
-            ),
-            5,
-        )
-        for s in range(3)
-    ]
+    kw = dict(batch_size=6, shuffle=True, seed=4, num_epochs=None, drop_remainder=True)
+    single = _take(pipeline(src, **kw), 5)
+    parts = [_take(pipeline(src, shard_index=s, shard_count=3, **kw), 5) for s in range(3)]
     shuffled = grain.MapDataset.range(n).shuffle(seed=4)
     for b in range(5):
         got = np.concatenate([p[b]["y"] for p in parts])

@@ -98,8 +98,9 @@ def test_source_pickles_and_reopens_files(tmp_path):
     p2, a2 = recordings(tmp_path, [20], chunked=True, tag="k", seed=3)
     src = WindowedSource(p1 + p2, SIGNALS, window=5, stride=3)
     before = [src[i] for i in range(len(src))]  # opens maps and handles
+    assert src.index.open_files == 2  # one map, one h5py handle
     clone = pickle.loads(pickle.dumps(src))
-    assert not clone.index._maps and not clone.index._handles
+    assert clone.index.open_files == 0
     for i, item in enumerate(before):
         for key in item:
             np.testing.assert_array_equal(clone[i][key], item[key])
