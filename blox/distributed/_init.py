@@ -8,14 +8,25 @@ Kubernetes, Cloud TPU). With none of them the process is alone and nothing is do
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import logging
 import os
 import sys
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
-from blox.distributed._rendezvous import roll_call, split_address
+from blox.distributed._devices import (
+    accelerators,
+    assign_devices,
+    local_rank,
+    parse_device_ids,
+    resolve_platform,
+)
+from blox.distributed._rendezvous import inherited_listener, roll_call, split_address
 
 __all__ = ["ProcessInfo", "describe", "initialize"]
 
@@ -24,8 +35,11 @@ ENV_NUM_PROCESSES = "BLOX_NUM_PROCESSES"
 ENV_PROCESS_ID = "BLOX_PROCESS_ID"
 ENV_INIT_TIMEOUT = "BLOX_INIT_TIMEOUT"
 ENV_HEARTBEAT_TIMEOUT = "BLOX_HEARTBEAT_TIMEOUT"
+ENV_DEVICES_PER_PROCESS = "BLOX_DEVICES_PER_PROCESS"
+ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"  # JAX's own variable (jax.distributed reads it)
+ENV_LAUNCH_DIR = "BLOX_LAUNCH_DIR"  # the launcher's directory for joined.<rank>/exit.<rank>
+EXIT_WATCHDOG_S = 10.0
 
-_EXPLICIT = ("arguments", "environment")
 DEFAULT_INIT_TIMEOUT = 300.0
 DEFAULT_HEARTBEAT_TIMEOUT = 30
 
@@ -81,7 +95,7 @@ def describe(*, source: str | None = None) -> ProcessInfo:
     initialized = jax.distributed.is_initialized()
     if source is None:
         source = "initialized" if initialized else "single process"
-    address = _jax_state().coordinator_address if initialized else None
+    address = _coordinator_address() if initialized else None
     return ProcessInfo(
         process_id=jax.process_index(),
         num_processes=jax.process_count(),
@@ -92,19 +106,50 @@ def describe(*, source: str | None = None) -> ProcessInfo:
     )
 
 
-def _jax_state() -> Any:
-    from jax._src import distributed as _distributed  # the only record of the address
+# --- the JAX internals blox reads, one small function each --------------------------------
+# JAX has no public accessor for these (checked for jax 0.10). Each import sits in its own
+# function, so a JAX that moved it fails there with an error saying what to do.
 
-    return _distributed.global_state
+
+def _private_jax_error(what: str, err: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"blox.distributed reads {what} from JAX's internals (present in jax 0.10), but this "
+        f"JAX {jax.__version__} moved it ({type(err).__name__}: {err}). Install a jax version "
+        "that pyproject.toml allows, or pass coordinator_address, num_processes and "
+        "process_id to initialize() explicitly."
+    )
 
 
-def _backends_started() -> bool:
+def _coordinator_address() -> str | None:
+    """The address the group joined through (``jax._src.distributed.global_state``)."""
+    try:
+        from jax._src import distributed as _distributed
+
+        return _distributed.global_state.coordinator_address
+    except (ImportError, AttributeError) as e:  # pragma: no cover - a future JAX moved it
+        raise _private_jax_error("the coordinator address", e) from e
+
+
+def _backends_started() -> bool | None:
+    """Whether JAX has started its backends (``jax._src.xla_bridge``); None when this JAX
+    moved it (``jax.distributed.initialize`` then raises its own error, translated)."""
     try:
         from jax._src import xla_bridge
 
         return bool(xla_bridge.backends_are_initialized())
     except (ImportError, AttributeError):  # pragma: no cover - a future JAX moved it
-        return False
+        return None
+
+
+def _cluster_env_types() -> list[Any]:
+    """JAX's cluster environments (``jax._src.clusters``: Slurm, Open MPI, Kubernetes,
+    Cloud TPU), the code behind ``jax.distributed.initialize()`` without arguments."""
+    try:
+        from jax._src import clusters
+
+        return list(clusters.ClusterEnv._cluster_types)
+    except (ImportError, AttributeError) as e:  # pragma: no cover - a future JAX moved it
+        raise _private_jax_error("the cluster detection (Slurm, Open MPI, ...)", e) from e
 
 
 def _int_env(name: str) -> int | None:
@@ -127,21 +172,25 @@ def _float_env(name: str, default: float) -> float:
         raise ValueError(f"environment variable {name}={value!r} is not a number.") from None
 
 
+# Variables of the schedulers JAX detects (Slurm, Open MPI, Kubernetes jobs, Cloud TPU).
+_SCHEDULER_HINTS = (
+    "SLURM_JOB_ID",
+    "OMPI_COMM_WORLD_SIZE",
+    "JOB_COMPLETION_INDEX",
+    "CLOUD_TPU_TASK_ID",
+    "TPU_WORKER_HOSTNAMES",
+)
+
+
 def _detect_cluster(timeout: float) -> tuple[str | None, int | None, int | None, str | None]:
-    """JAX's own cluster detection (``jax._src.clusters``, the code behind
-    ``jax.distributed.initialize()`` without arguments): (address, count, id, name)."""
+    """JAX's own cluster detection (`_cluster_env_types`): (address, count, id, name)."""
     try:
-        from jax._src import clusters
-    except ImportError:  # pragma: no cover - a future JAX moved it
-        return None, None, None, None
-    env = next(
-        (
-            e
-            for e in clusters.ClusterEnv._cluster_types
-            if not e.opt_in_only_method and e.is_env_present()
-        ),
-        None,
-    )
+        types = _cluster_env_types()
+    except RuntimeError:
+        if any(v in os.environ for v in _SCHEDULER_HINTS):
+            raise
+        return None, None, None, None  # no scheduler around: a single process
+    env = next((e for e in types if not e.opt_in_only_method and e.is_env_present()), None)
     if env is None:
         return None, None, None, None
     count, pid = env.get_process_count(), env.get_process_id()
@@ -154,28 +203,149 @@ def _detect_cluster(timeout: float) -> tuple[str | None, int | None, int | None,
     return address, count, pid, env.name or env.__name__
 
 
-def _exit_on_uncaught_exception() -> None:
-    """Wraps ``sys.excepthook``: print the traceback as usual, flush, then ``os._exit(1)``
-    (JAX's exit handler would wait at the shutdown barrier for peers still computing)."""
+def _flush() -> None:
+    """Flushes (and closes) every logging handler and the standard streams."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _reported_exit(launch_dir: str | None, rank: int) -> int | None:
+    """The non-zero exit status the launcher's runner reported for this process."""
+    if not launch_dir:
+        return None
+    try:
+        with open(os.path.join(launch_dir, f"exit.{rank}")) as f:
+            return int(f.read().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def _install_exit_guard(exit_on_error: bool, launch_dir: str | None, rank: int) -> None:
+    """A process of a group that fails must not wait at JAX's shutdown barrier (its
+    ``atexit`` handler ``jax.distributed.shutdown``) for peers that are still computing.
+
+    * an ``atexit`` handler, registered after JAX's and so run before it: when the process
+      fails (an uncaught exception seen by the hook below, or a non-zero exit status the
+      launcher's runner reported, e.g. ``sys.exit(3)``) it flushes the logging handlers
+      and streams, then ``os._exit(status)``: the ``atexit`` handlers registered after
+      `initialize` (and the interpreter's joining of non-daemon threads) have run, JAX's
+      barrier is skipped.
+    * with `exit_on_error`, ``sys.excepthook`` is chained: the previous hook prints the
+      traceback, the failure is recorded for the handler above, and a daemon watchdog ends
+      the process after `EXIT_WATCHDOG_S` seconds should the shutdown itself hang.
+    """
+    failed: list[int] = []
+
+    def at_exit() -> None:
+        code = failed[0] if failed else _reported_exit(launch_dir, rank)
+        if code:
+            _flush()
+            os._exit(code)
+
+    atexit.register(at_exit)
     previous = sys.excepthook
-    if getattr(previous, "_blox_exit_on_error", False):
+    if not exit_on_error or getattr(previous, "_blox_exit_on_error", False):
         return
 
+    def watchdog() -> None:  # pragma: no cover - only when the shutdown hangs
+        sys.stderr.write(
+            f"blox.distributed: process {rank} did not finish exiting within "
+            f"{EXIT_WATCHDOG_S:g} s of its uncaught exception; ending it (exit code 1).\n"
+        )
+        _flush()
+        os._exit(1)
+
     def hook(kind, value, tb):
-        try:
-            previous(kind, value, tb)
-            sys.stderr.write(
-                f"blox.distributed: process {jax.process_index()} ends on the uncaught "
-                f"{kind.__name__} above (exit code 1) without waiting for the other "
-                "processes.\n"
-            )
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(1)
+        previous(kind, value, tb)
+        if issubclass(kind, KeyboardInterrupt):
+            return
+        failed.append(1)
+        sys.stderr.write(
+            f"blox.distributed: process {rank} ends on the uncaught {kind.__name__} above "
+            "(exit code 1) without waiting for the other processes.\n"
+        )
+        timer = threading.Timer(EXIT_WATCHDOG_S, watchdog)
+        timer.daemon = True
+        timer.start()
 
     hook._blox_exit_on_error = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _mark_joining(env: Mapping[str, str]) -> None:
+    """Tells ``python -m blox.launch`` that this process called `initialize` (it ends the
+    group with an error when a process exits, or runs too long, without doing so)."""
+    directory = env.get(ENV_LAUNCH_DIR)
+    if not directory:
+        return
+    try:
+        with open(os.path.join(directory, f"joined.{env.get(ENV_PROCESS_ID, '0')}"), "w"):
+            pass
+    except OSError:  # the launcher is gone
+        pass
+
+
+def local_device_ids_from_env(
+    env: Mapping[str, str], found: tuple[str, int] | None
+) -> tuple[int, ...] | None:
+    """The GPUs this process drives, from its environment (a pure function: `found` is
+    `accelerators` of the host): ``JAX_LOCAL_DEVICE_IDS`` when set (``python -m
+    blox.launch`` sets it on GPU hosts); else, on a GPU platform, this process's share by
+    its local rank (``BLOX_LOCAL_RANK``, ``LOCAL_RANK``, ``SLURM_LOCALID``,
+    ``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``) and ``BLOX_DEVICES_PER_PROCESS``
+    (`assign_devices`, not strict); else None (every device it sees)."""
+    if env.get(ENV_LOCAL_DEVICE_IDS):
+        return parse_device_ids(env[ENV_LOCAL_DEVICE_IDS], ENV_LOCAL_DEVICE_IDS)
+    if resolve_platform(None, env, found) != "gpu":
+        return None
+    rank = local_rank(env)
+    if rank is None:
+        return None
+    per = None
+    if env.get(ENV_DEVICES_PER_PROCESS):
+        per = _int_from(env, ENV_DEVICES_PER_PROCESS)
+    count = found[1] if found is not None and found[0] == "gpu" else None
+    return assign_devices(
+        rank.rank, rank.size, device_count=count, devices_per_process=per, strict=False
+    )
+
+
+def _int_from(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(f"environment variable {name}={env[name]!r} is not an integer.") from None
+
+
+def _check_device_ids(given: Any) -> tuple[int, ...] | None:
+    if given is None:
+        return None
+    ids = (given,) if isinstance(given, int) and not isinstance(given, bool) else given
+    try:
+        ids = tuple(ids)
+    except TypeError:
+        ids = ()
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise TypeError(
+            "initialize: local_device_ids must be a non-empty list of non-negative ints (the "
+            f"GPU ordinals this process drives, e.g. [0, 1]), got {given!r}."
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"initialize: local_device_ids={list(ids)} repeats a device.")
+    return ids
+
+
+def _pick_devices(given: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    if given is not None:
+        return given
+    env = dict(os.environ)
+    if jax.config.jax_platforms:  # set in code: it wins over JAX_PLATFORMS
+        env["JAX_PLATFORMS"] = jax.config.jax_platforms
+    return local_device_ids_from_env(env, accelerators(env))
 
 
 def _check_int(name: str, value: Any) -> int | None:
@@ -196,6 +366,7 @@ def initialize(
     shutdown_timeout: int = 300,
     roll_call_first: bool = True,
     exit_on_error: bool = True,
+    local_device_ids: Sequence[int] | None = None,
 ) -> ProcessInfo:
     """Joins this process to its group through ``jax.distributed.initialize``, or does
     nothing when the process is alone; returns its `ProcessInfo` either way.
@@ -223,12 +394,23 @@ def initialize(
     letting it hang in a collective. On CPU the cross-process collectives are Gloo's
     (``jax_cpu_collectives_implementation``, set to ``'gloo'`` here when unset).
 
-    An uncaught exception in a process of a group would leave it waiting at JAX's shutdown
-    barrier (for `shutdown_timeout` seconds) for peers that are still computing; with
-    `exit_on_error` the process prints the traceback and exits at once with code 1
-    (``sys.excepthook`` is wrapped; ``os._exit`` skips the barrier), so the others learn
-    of it through the heartbeat or the launcher. ``sys.exit(n)`` with ``n != 0`` is an
-    ordinary exit and still waits there: raise instead.
+    On a GPU host each process drives its own GPUs (JAX's ``local_device_ids``): those
+    given, else ``JAX_LOCAL_DEVICE_IDS`` (``python -m blox.launch`` sets it per process),
+    else its share by its local rank on the host (``BLOX_LOCAL_RANK``, torchrun-style
+    ``LOCAL_RANK``, ``SLURM_LOCALID``, ``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``;
+    ``BLOX_DEVICES_PER_PROCESS`` GPUs each, default an even split, or one each when the
+    count is unknown). A process alone on its host, or whose scheduler already restricted
+    ``CUDA_VISIBLE_DEVICES`` to fewer GPUs than processes, keeps every GPU it sees.
+
+    A process of a group that fails would wait at JAX's shutdown barrier (for
+    `shutdown_timeout` seconds) for peers that are still computing. Joined, the process
+    instead ends at once with its status when it fails: on an uncaught exception (with
+    `exit_on_error`: ``sys.excepthook`` is chained, the traceback printed, exit code 1),
+    or, under ``python -m blox.launch``, on any non-zero exit such as ``sys.exit(3)``.
+    The ``atexit`` handlers registered after `initialize` still run and the logging
+    handlers are flushed first; only JAX's barrier is skipped. The others learn of it
+    through the launcher or the heartbeat. (Without the launcher, ``sys.exit(n)`` is an
+    ordinary exit and waits at the barrier: raise instead.)
 
     Calling it again once joined returns the description and does nothing else.
 
@@ -244,6 +426,8 @@ def initialize(
       shutdown_timeout: seconds a finishing process waits for the others at exit.
       roll_call_first: run the roll call described above (``False``: JAX's join alone).
       exit_on_error: in a group, end the process at once on an uncaught exception.
+      local_device_ids: the GPU ordinals this process drives (default: from the
+        environment, as above); ignored by CPU and TPU devices.
 
     Returns:
       A `ProcessInfo`: process id and count, local and global devices, the coordinator
@@ -252,8 +436,9 @@ def initialize(
     Raises:
       ValueError: only some of the three settings given, an id outside
         ``0..num_processes-1``, a malformed address, two processes with one id, processes
-        started with different counts, or a call after JAX has started its backends.
-      TypeError: a count or id that is not an int.
+        started with different counts, a call after JAX has started its backends, a
+        repeated device id, a malformed ``JAX_LOCAL_DEVICE_IDS`` or local-rank variable.
+      TypeError: a count or id that is not an int, device ids that are not ints.
       TimeoutError: processes that did not join within `initialization_timeout`, named.
 
     >>> from blox import distributed as bd
@@ -261,6 +446,8 @@ def initialize(
     >>> info.num_processes, info.source
     (1, 'single process')
     """
+    _mark_joining(os.environ)
+    device_ids = _check_device_ids(local_device_ids)
     given = {
         "coordinator_address": coordinator_address,
         "num_processes": _check_int("num_processes", num_processes),
@@ -324,35 +511,45 @@ def initialize(
     if count == 1:
         return describe(source=source)
     if jax.distributed.is_initialized():
-        state = _jax_state()
-        if (state.process_id, state.num_processes) != (pid, count):
+        joined = (jax.process_index(), jax.process_count())
+        if joined != (pid, count):
             raise ValueError(
-                f"initialize: already joined as process {state.process_id} of "
-                f"{state.num_processes}, now asked to be process {pid} of {count}."
+                f"initialize: already joined as process {joined[0]} of {joined[1]}, now "
+                f"asked to be process {pid} of {count}."
             )
         return describe(source=source)
+    devices = _pick_devices(device_ids)
     if _backends_started():
-        raise ValueError(
-            "initialize: JAX has already started its backends in this process (something "
-            "created an array, listed devices or ran a jitted function), so it can no longer "
-            "join a group. Call blox.distributed.initialize() first thing in the script, "
-            "before any other JAX call."
-        )
+        raise ValueError(_STARTED)
     if jax.config.jax_cpu_collectives_implementation is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    listener = inherited_listener(os.environ, split_address(address)[1]) if pid == 0 else None
     if roll_call_first:
-        roll_call(address, pid, count, timeout)
-    jax.distributed.initialize(
-        coordinator_address=address,
-        num_processes=count,
-        process_id=pid,
-        initialization_timeout=max(1, int(timeout)),
-        heartbeat_timeout_seconds=heartbeat,
-        shutdown_timeout_seconds=int(shutdown_timeout),
-        # Explicit settings skip JAX's cluster detection (which would also pick devices);
-        # a detected cluster keeps it (e.g. one GPU per process under Slurm).
-        cluster_detection_method="deactivate" if source in _EXPLICIT else None,
-    )
-    if exit_on_error:
-        _exit_on_uncaught_exception()
+        roll_call(address, pid, count, timeout, listener=listener)
+    elif listener is not None:
+        listener.close()  # JAX's coordinator binds the port itself
+    try:
+        jax.distributed.initialize(
+            coordinator_address=address,
+            num_processes=count,
+            process_id=pid,
+            local_device_ids=devices,
+            initialization_timeout=max(1, int(timeout)),
+            heartbeat_timeout_seconds=heartbeat,
+            shutdown_timeout_seconds=int(shutdown_timeout),
+            # blox has every setting (devices included): JAX detects nothing itself.
+            cluster_detection_method="deactivate",
+        )
+    except RuntimeError as e:
+        if "must be called before" in str(e):
+            raise ValueError(_STARTED) from e
+        raise
+    _install_exit_guard(exit_on_error, os.environ.get(ENV_LAUNCH_DIR), pid)
     return describe(source=source)
+
+
+_STARTED = (
+    "initialize: JAX has already started its backends in this process (something created an "
+    "array, listed devices or ran a jitted function), so it can no longer join a group. Call "
+    "blox.distributed.initialize() first thing in the script, before any other JAX call."
+)

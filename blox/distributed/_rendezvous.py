@@ -19,10 +19,45 @@ import json
 import os
 import socket
 import time
+from collections.abc import Mapping
 
-__all__ = ["roll_call", "split_address"]
+__all__ = ["ENV_LISTEN_FD", "inherited_listener", "listen", "roll_call", "split_address"]
 
 _POLL_S = 0.2
+# The listening socket of the roll call, bound by ``python -m blox.launch`` and handed to
+# process 0 (so that no other program can take the port between its choice and its use).
+ENV_LISTEN_FD = "BLOX_ROLL_CALL_FD"
+
+
+def listen(port: int) -> socket.socket:
+    """A TCP server socket on every address (IPv4 and IPv6 where the host has both) and
+    `port` (0: a free one the OS picks)."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(
+            ("", port), family=socket.AF_INET6, dualstack_ipv6=True, reuse_port=False
+        )
+    return socket.create_server(("", port))
+
+
+def inherited_listener(env: Mapping[str, str], port: int) -> socket.socket | None:
+    """The listening socket the launcher handed over (``BLOX_ROLL_CALL_FD``) when it is
+    one on `port`; None otherwise."""
+    fd = env.get(ENV_LISTEN_FD, "")
+    if not fd.isdigit():
+        return None
+    try:
+        sock = socket.socket(fileno=int(fd))
+    except OSError:
+        return None
+    try:
+        ok = sock.getsockname()[1] == port and sock.type == socket.SOCK_STREAM
+    except OSError:
+        ok = False
+    if not ok:
+        sock.detach()  # not ours to close
+        return None
+    sock.set_inheritable(False)
+    return sock
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -65,14 +100,11 @@ def _read_line(conn: socket.socket, deadline: float) -> bytes | None:
     return data
 
 
-def _serve(port: int, num_processes: int, timeout: float) -> None:
+def _serve(
+    port: int, num_processes: int, timeout: float, listener: socket.socket | None = None
+) -> None:
     deadline = time.monotonic() + timeout
-    if socket.has_dualstack_ipv6():
-        server = socket.create_server(
-            ("", port), family=socket.AF_INET6, dualstack_ipv6=True, reuse_port=False
-        )
-    else:
-        server = socket.create_server(("", port))
+    server = listener if listener is not None else listen(port)
     peers: dict[int, tuple[socket.socket, dict]] = {}
     error: str | None = None
     try:
@@ -167,12 +199,23 @@ def _join(host: str, port: int, process_id: int, num_processes: int, timeout: fl
         raise TimeoutError(text) if "did not join" in text else ValueError(text)
 
 
-def roll_call(address: str, process_id: int, num_processes: int, timeout: float) -> None:
+def roll_call(
+    address: str,
+    process_id: int,
+    num_processes: int,
+    timeout: float,
+    *,
+    listener: socket.socket | None = None,
+) -> None:
     """Returns once all `num_processes` processes have reported (ids 0..n-1, each once,
     all with the same count); raises TimeoutError naming the processes that did not come
-    within `timeout` seconds, or ValueError for a duplicate id or a differing count."""
+    within `timeout` seconds, or ValueError for a duplicate id or a differing count.
+    Process 0 serves on `listener` when given (a socket already listening on the port,
+    closed on return), else binds the port itself."""
     host, port = split_address(address)
     if process_id == 0:
-        _serve(port, num_processes, timeout)
+        _serve(port, num_processes, timeout, listener)
     else:
+        if listener is not None:
+            listener.close()
         _join(host, port, process_id, num_processes, timeout)

@@ -127,7 +127,10 @@ def _read_pids(proc: subprocess.Popen, ranks: int, until: str) -> dict[int, int]
     deadline = time.monotonic() + 90
     while len(ready) < ranks:
         line = proc.stdout.readline()
-        assert line and time.monotonic() < deadline, "the group did not start"
+        if not line or time.monotonic() > deadline:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"the group did not start:\n{out[-2000:]}\n{err[-3000:]}")
         if m := re.match(r"\[(\d+)\] pid=(\d+):(\d+)", line):
             pids[int(m[2])] = int(m[3])
         if m := re.match(rf"\[(\d+)\] {until}", line):
