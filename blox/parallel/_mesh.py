@@ -179,9 +179,27 @@ def bound_axes() -> tuple[str, ...]:
     >>> bp.bound_axes()
     ()
     """
-    from jax._src import core  # the axis environment has no public accessor in jax 0.10
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    return manual + tuple(n for n in _vmap_axis_names() if n not in manual)
 
-    return tuple(core.get_axis_env().axis_names())
+
+def _vmap_axis_names() -> tuple[str, ...]:
+    """Axis names bound by enclosing ``jax.vmap(..., axis_name=...)``.
+
+    JAX has no public accessor for these (0.10); this is the one private read in blox's
+    parallel code, kept here so a JAX release that moves it fails in one place, loudly.
+    """
+    try:
+        from jax._src import core
+
+        env = core.get_axis_env()
+        return tuple(env.axis_names())
+    except (ImportError, AttributeError) as e:  # pragma: no cover - depends on JAX
+        raise RuntimeError(
+            f"blox.parallel.bound_axes: this JAX ({jax.__version__}) no longer exposes the "
+            "vmap axis environment where blox reads it (jax._src.core.get_axis_env). Install "
+            "a JAX version within blox's pinned range (see pyproject.toml)."
+        ) from e
 
 
 # ---------------------------------------------------------------------------
@@ -202,10 +220,16 @@ def varying_axes(x: Any) -> frozenset:
 
 
 def check_vma_enabled() -> bool:
-    """Whether the enclosing ``shard_map`` tracks varying axes (``check_vma=True``)."""
-    from jax._src import config  # no public accessor in jax 0.10
+    """Whether the enclosing ``shard_map`` tracks varying axes (``check_vma=True``).
 
-    return bool(config._check_vma.value)
+    Read from the public type system: under ``check_vma=True`` ``axis_index`` of a manual
+    axis is typed as varying over it; under ``check_vma=False`` nothing is. Outside any
+    ``shard_map`` there is nothing to track (False).
+    """
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if not manual:
+        return False
+    return manual[0] in varying_axes(jax.lax.axis_index(manual[0]))
 
 
 def constrain(x: Any, mesh: Mesh, spec: PartitionSpec) -> Any:
