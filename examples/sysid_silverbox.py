@@ -101,7 +101,14 @@ def run(
     parser.add_argument("--data", default=None, help="folder of the HDF5 files")
     parser.add_argument("--out", default=None, help="folder of the plots")
     parser.add_argument("--models", default=None, help="comma-separated subset")
+    parser.add_argument("--epochs", type=int, default=None, help="train by epochs (not --steps)")
+    parser.add_argument("--batches-per-epoch", type=int, default=None,
+                        help="with --epochs (default: one pass over the windows)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.epochs is not None and args.steps is not None:
+        parser.error("give --steps or --epochs, not both")
+    if args.batches_per_epoch is not None and args.epochs is None:
+        parser.error("--batches-per-epoch needs --epochs")
     cfg = dict(sizes[args.size])
     steps = args.steps if args.steps is not None else cfg["steps"]
     names = args.models.split(",") if args.models else list(cfg["models"])
@@ -118,6 +125,11 @@ def run(
     print(f"blox {bx.__version__} | jax {jax.__version__} | {jax.devices()[0].platform}")
     print(f"{system}: {len(files.train)} training files, {len(train)} windows of "
           f"{cfg['window']}, test {len(test[0]['u'])} samples, data in {data}")  # fmt: skip
+    budget = dict(steps=steps, eval_every=max(steps // 5, 1))
+    if args.epochs is not None:  # validated at each epoch's end
+        per_epoch = args.batches_per_epoch or max(len(train) // cfg["batch"], 1)
+        steps = args.epochs * per_epoch
+        budget = dict(epochs=args.epochs, batches_per_epoch=per_epoch)
 
     # ARX baseline: least squares on the training files, free-run on the test input.
     t0 = time.perf_counter()
@@ -147,14 +159,13 @@ def run(
         )
         log = (lambda n, v: print(f"step={n} loss={v!r}")) if name == "gru" else None
         t0 = time.perf_counter()
-        fit = fit_sysid(model, params, tx, batches, steps=steps, valid=valid,
-                        eval_every=max(steps // 5, 1), seed=args.seed,
-                        noise=0.02 if name == "gru" else 0.0, on_step=log)  # fmt: skip
+        fit = fit_sysid(model, params, tx, batches, valid=valid, seed=args.seed,
+                        noise=0.02 if name == "gru" else 0.0, on_step=log, **budget)  # fmt: skip
         secs = time.perf_counter() - t0
         metrics, (sim,) = evaluate_free_run(model, fit.params, test, n_skip=n_skip)
         results[name], sims[name] = metrics, sim
-        print(f"{name}: {fit.steps} steps in {secs:.1f} s, best validation NRMSE "
-              f"{fit.best_score:.4f} at step {fit.best_step}")  # fmt: skip
+        print(f"{name}: {fit.steps} steps in {secs:.1f} s ({fit.steps_per_s:.1f} steps/s), "
+              f"best validation NRMSE {fit.best_score:.4f} at step {fit.best_step}")  # fmt: skip
 
     base = float(results["arx"]["rmse"][0])
     print(f"free-run test errors (first {n_skip} samples skipped):")

@@ -4,6 +4,10 @@ against a least-squares ARX baseline, evaluated by free-run simulation.
 
     python examples/sysid_wiener_hammerstein.py              # default size
     python examples/sysid_wiener_hammerstein.py --size tiny  # seconds (the smoke test)
+    python examples/sysid_wiener_hammerstein.py --epochs 10 --batches-per-epoch 300
+
+The budget is ``--steps`` per model, or ``--epochs`` of ``--batches-per-epoch`` batches
+(default: one pass over the training windows), validated at each epoch's end.
 
 Same recipe and flags as examples/sysid_silverbox.py (which holds the shared code):
 the data is simulated and written to contiguous HDF5 under ``--data`` (default

@@ -4,6 +4,7 @@ the TBPTT train step, and a training loop with early stopping on free-run valida
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from jax.typing import ArrayLike
 
 from blox.core import Params
 from blox.train import make_train_step
+from blox.train._logging import _require
 from blox.ts._evaluate import evaluate_free_run, make_simulator
 
 __all__ = ["SysIdFit", "fit_sysid", "inject_noise", "make_sysid_step", "sysid_loss"]
@@ -184,8 +186,16 @@ class SysIdFit:
       best_step: the step of those params (the number of steps taken before them).
       best_score: their validation score (mean NRMSE over output channels), or nan.
       steps: the steps taken (fewer than asked when early stopping fired).
-      history: one dict per validation: ``step``, ``score``, ``rmse``, ``nrmse``, ``fit``.
+      history: one dict per validation: ``step``, ``score``, ``rmse``, ``nrmse``, ``fit``
+        (and ``epoch``, numbered from 1, when trained by epochs).
       losses: the training loss of every step.
+      final_params: the params after the last step taken (whatever their validation
+        score): the model a fixed-budget recipe without model selection would keep.
+      compile_s: wall time of the first step, waited for (trace, compile, one step).
+      train_s: wall time of the other steps (batches drawn, steps run, params ready),
+        validation excluded.
+      eval_s: wall time of the validations.
+      steps_per_s: ``(steps - 1) / train_s`` (nan with a single step).
     """
 
     params: Params
@@ -194,6 +204,54 @@ class SysIdFit:
     steps: int
     history: list[dict] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    final_params: Params | None = None
+    compile_s: float = float("nan")
+    train_s: float = 0.0
+    eval_s: float = 0.0
+    steps_per_s: float = float("nan")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"fit_sysid: {name} must be a positive int, got {value!r}.")
+    return int(value)
+
+
+def _budget(
+    steps: int | None, epochs: int | None, batches_per_epoch: int | None
+) -> tuple[int, int | None]:
+    """``(total steps, batches per epoch or None)`` from either budget form."""
+    if steps is not None:
+        if epochs is not None or batches_per_epoch is not None:
+            raise ValueError(
+                f"fit_sysid: give either steps={steps!r} or epochs= with batches_per_epoch=, "
+                f"not both (got epochs={epochs!r}, batches_per_epoch={batches_per_epoch!r})."
+            )
+        return _positive_int("steps", steps), None
+    if epochs is None or batches_per_epoch is None:
+        raise ValueError(
+            "fit_sysid: give the budget as steps=N, or as epochs=E with batches_per_epoch=B "
+            f"(E * B steps); got epochs={epochs!r}, batches_per_epoch={batches_per_epoch!r}."
+        )
+    e = _positive_int("epochs", epochs)
+    b = _positive_int("batches_per_epoch", batches_per_epoch)
+    return e * b, b
+
+
+class _Clock:
+    """Wall time of the training steps, validation and the first (compiling) step apart."""
+
+    def __init__(self) -> None:
+        self.compile_s = float("nan")
+        self.train_s = self.eval_s = 0.0
+        self.start: float | None = None
+
+    def stop(self, params: Params) -> None:
+        """Ends a segment of training steps once their params are ready."""
+        if self.start is not None:
+            jax.block_until_ready(params)
+            self.train_s += time.perf_counter() - self.start
+            self.start = None
 
 
 def fit_sysid(
@@ -202,9 +260,11 @@ def fit_sysid(
     tx: optax.GradientTransformation,
     batches: Iterable[Mapping[str, ArrayLike]],
     *,
-    steps: int,
+    steps: int | None = None,
+    epochs: int | None = None,
+    batches_per_epoch: int | None = None,
     valid: Sequence[Mapping[str, ArrayLike]] | None = None,
-    eval_every: int = 100,
+    eval_every: int | None = None,
     patience: int | None = None,
     seed: int = 0,
     noise: float = 0.0,
@@ -212,21 +272,37 @@ def fit_sysid(
     loss: str = "mse",
     on_step: Callable[[int, float], None] | None = None,
     on_eval: Callable[[dict], None] | None = None,
+    progress: bool = False,
+    log_every: int = 50,
 ) -> SysIdFit:
     """Trains with `make_sysid_step`, validating by free-run simulation; stops early.
 
-    Every `eval_every` steps (and after the last) the whole validation recordings are
-    simulated free-run (`evaluate_free_run`); the score is the mean NRMSE over output
-    channels, the params of the best score are kept, and training stops after `patience`
-    validations without improvement. Batches with ``'is_first'`` (TBPTT order) carry the
-    state from one batch to the next; other batches start fresh.
+    The budget is `steps`, or `epochs` of `batches_per_epoch` batches each (``epochs *
+    batches_per_epoch`` steps drawn from the one iterator `batches`, e.g. a pipeline
+    with ``num_epochs=None``: TSFast's "10 epochs of 300 batches" is ``epochs=10,
+    batches_per_epoch=300``). Every `eval_every` steps (default: each epoch's end when
+    trained by epochs, else 100) and after the last step the whole validation
+    recordings are simulated free-run (`evaluate_free_run`); the score is the mean NRMSE
+    over output channels, the params of the best score are kept, and training stops
+    after `patience` validations without improvement. The params after the last step
+    are returned too (`SysIdFit.final_params`). Batches with ``'is_first'`` (TBPTT
+    order) carry the state from one batch to the next; other batches start fresh.
+
+    Timing (as `blox.train.fit`): the first step is waited for and timed alone
+    (``compile_s``); ``train_s`` is the wall time of the other steps including drawing
+    their batches, up to the params being ready, without validation; ``steps_per_s``
+    follows from it. The loop syncs with the device only to validate, for `on_step`,
+    and for the progress bar's loss (every `log_every` steps).
 
     Args:
       model: a `SysIdModel`.
       params: initialized (locked) params.
       tx: the Optax transformation (e.g. Adam on `blox.train.flat_cosine_schedule`).
-      batches: an iterable of ``{'u', 'y'[, 'is_first']}`` batches (at least `steps`).
-      steps: the number of training steps.
+      batches: an iterable of ``{'u', 'y'[, 'is_first']}`` batches (at least as many as
+        the budget's steps).
+      steps: the number of training steps (or give `epochs` and `batches_per_epoch`).
+      epochs: the number of epochs (with `batches_per_epoch`).
+      batches_per_epoch: steps per epoch.
       valid: validation recordings ``[{'u': [T, Cu], 'y': [T, Cy]}, ...]``.
       eval_every: steps between validations.
       patience: validations without improvement before stopping (``None``: never).
@@ -235,59 +311,106 @@ def fit_sysid(
       on_step: called as ``on_step(step, loss)`` after every step (step from 1), e.g.
         to print ``step=<n> loss=<repr(loss)>``.
       on_eval: called with each history entry.
+      progress: show a tqdm progress bar on stderr (needs ``pip install 'blox[train]'``).
+      log_every: steps between the bar's loss updates (each one syncs).
 
     Returns:
       A `SysIdFit`.
+
+    Example::
+
+        fit = fit_sysid(model, params, tx, iter(ds), epochs=10, batches_per_epoch=300,
+                        valid=valid, progress=True)
+        print(fit.best_score, fit.steps_per_s)
+        best, last = fit.params, fit.final_params
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"fit_sysid: steps must be a positive int, got {steps!r}.")
-    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
-        raise ValueError(f"fit_sysid: eval_every must be a positive int, got {eval_every!r}.")
+    total, per_epoch = _budget(steps, epochs, batches_per_epoch)
+    if eval_every is None:
+        eval_every = per_epoch if per_epoch is not None else 100
+    eval_every = _positive_int("eval_every", eval_every)
+    log_every = _positive_int("log_every", log_every)
+    if patience is not None:
+        patience = _positive_int("patience", patience)
+    bar = None
+    if progress:
+        bar = _require("tqdm", "fit_sysid(progress=True)").tqdm(
+            total=total, desc="fit_sysid", unit="step", leave=False
+        )
     step_fn = jax.jit(make_sysid_step(model, tx, noise=noise, bias=bias, loss=loss))
     simulator = make_simulator(model) if valid else None
     opt_state = tx.init(params.split()[0])
     base_key = jax.random.key(seed)
     result = SysIdFit(params=params, best_step=0, best_score=float("nan"), steps=0)
+    clock = _Clock()
+    pending: list[jax.Array] = []  # losses not yet read back from the device
     best = np.inf
     waited = 0
     state = None
     it = iter(batches)
-    for n in range(1, steps + 1):
-        try:
-            batch = next(it)
-        except StopIteration:
-            raise ValueError(
-                f"fit_sysid: the batches ran out after {n - 1} of {steps} steps; repeat "
-                "the pipeline (num_epochs=None) or ask for fewer steps."
-            ) from None
-        if "is_first" in batch:
-            if state is None:
-                state, _ = model.initial_state(params, jnp.asarray(batch["u"])[:, 0])
-        else:
-            state = None
-        params, opt_state, state, metrics = step_fn(
-            params, opt_state, state, dict(batch), jax.random.fold_in(base_key, n)
-        )
-        value = float(metrics["loss"])
-        result.losses.append(value)
-        result.steps = n
-        if on_step is not None:
-            on_step(n, value)
-        if not valid or (n % eval_every and n != steps):
-            continue
-        scores, _ = evaluate_free_run(model, params, valid, simulator=simulator)
-        score = float(np.mean(scores["nrmse"]))
-        entry = {"step": n, "score": score, **{k: v.tolist() for k, v in scores.items()}}
-        result.history.append(entry)
-        if on_eval is not None:
-            on_eval(entry)
-        if score < best:
-            best, waited = score, 0
-            result.params, result.best_step, result.best_score = copy.copy(params), n, score
-        else:
-            waited += 1
-            if patience is not None and waited >= patience:
-                break
+    try:
+        for n in range(1, total + 1):
+            if n > 1 and clock.start is None:  # a segment of timed steps, batches included
+                clock.start = time.perf_counter()
+            if bar is not None and per_epoch is not None and (n - 1) % per_epoch == 0:
+                bar.set_description(f"epoch {(n - 1) // per_epoch + 1}/{total // per_epoch}")
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise ValueError(
+                    f"fit_sysid: the batches ran out after {n - 1} of {total} steps; repeat "
+                    "the pipeline (num_epochs=None) or ask for fewer steps."
+                ) from None
+            if "is_first" in batch:
+                if state is None:
+                    state, _ = model.initial_state(params, jnp.asarray(batch["u"])[:, 0])
+            else:
+                state = None
+            t0 = time.perf_counter()
+            params, opt_state, state, metrics = step_fn(
+                params, opt_state, state, dict(batch), jax.random.fold_in(base_key, n)
+            )
+            if n == 1:
+                jax.block_until_ready(params)
+                clock.compile_s = time.perf_counter() - t0
+            pending.append(metrics["loss"])
+            result.steps = n
+            if on_step is not None:
+                on_step(n, float(metrics["loss"]))
+            if bar is not None:
+                bar.update(1)
+                if n % log_every == 0:
+                    bar.set_postfix(loss=f"{float(metrics['loss']):.4g}")
+            if not valid or (n % eval_every and n != total):
+                continue
+            clock.stop(params)
+            t0 = time.perf_counter()
+            scores, _ = evaluate_free_run(model, params, valid, simulator=simulator)
+            clock.eval_s += time.perf_counter() - t0
+            score = float(np.mean(scores["nrmse"]))
+            entry = {"step": n, "score": score, **{k: v.tolist() for k, v in scores.items()}}
+            if per_epoch is not None:
+                entry["epoch"] = (n - 1) // per_epoch + 1
+            result.history.append(entry)
+            if bar is not None:
+                bar.set_postfix(loss=f"{float(metrics['loss']):.4g}", valid=f"{score:.4g}")
+            if on_eval is not None:
+                on_eval(entry)
+            if score < best:
+                best, waited = score, 0
+                result.params, result.best_step, result.best_score = copy.copy(params), n, score
+            else:
+                waited += 1
+                if patience is not None and waited >= patience:
+                    break
+    finally:
+        if bar is not None:
+            bar.close()
+    clock.stop(params)
+    result.losses = [float(v) for v in np.asarray(jax.device_get(pending)).reshape(-1)]
+    result.final_params = params
+    result.compile_s, result.train_s, result.eval_s = clock.compile_s, clock.train_s, clock.eval_s
+    if result.steps > 1 and clock.train_s > 0:
+        result.steps_per_s = (result.steps - 1) / clock.train_s
     if not valid:
         result.params, result.best_step = params, result.steps
     return result

@@ -1,6 +1,9 @@
 """blox.ts recipes and evaluation: TBPTT with carried state vs one long unroll, the loss over
 TBPTT chunks vs whole windows, noise/bias injection, training, early stopping, metrics."""
 
+import itertools
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +194,101 @@ def test_metrics_against_numpy_and_free_run_plot(tmp_path):
                            others={"ARX": np.zeros((30, 1))})  # fmt: skip
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _fit_setup(tmp_path, n_batches):
+    """A small GRU on the tiny discrete system, its locked params, validation recordings
+    and a fixed list of `n_batches` training batches."""
+    files = make_dataset("discrete", tmp_path, seed=0, size="tiny")
+    src = WindowedSource(files.train, {"u": "u", "y": "y"}, window=40, stride=10)
+    stats = channel_stats(src)
+    g = bx.Graph("m")
+    rng = bx.Rng(g / "rng")
+    model = RNNModel(g / "gru", stats["u"], stats["y"], rng, hidden_size=8, n_skip=5)
+    ds = pipeline(src, batch_size=8, shuffle=True, seed=0, num_epochs=None, drop_remainder=True)
+    data = list(itertools.islice(iter(ds), n_batches))
+    params = rng.seed(bx.Params(), seed=0)
+    _, params = model(params, data[0]["u"])
+    return model, params.locked(), read_recordings(files.valid), data
+
+
+def _assert_same_params(a, b):
+    for k in a.split()[0]:
+        np.testing.assert_allclose(np.asarray(a[k].value), np.asarray(b[k].value), rtol=1e-6)
+
+
+@pytest.mark.standard_promotion
+def test_fit_by_epochs_runs_epochs_times_batches_and_returns_the_final_params(tmp_path):
+    model, params, valid, data = _fit_setup(tmp_path, 6)
+    tx = optax.adam(1e-2)
+    fit = fit_sysid(model, params, tx, iter(data), epochs=3, batches_per_epoch=2, valid=valid)
+    assert fit.steps == 6 and len(fit.losses) == 6
+    # Validated at each epoch's end (eval_every defaults to batches_per_epoch).
+    assert [(h["epoch"], h["step"]) for h in fit.history] == [(1, 2), (2, 4), (3, 6)]
+    # Reference: the plain step, jitted, over the same six batches by hand.
+    step = jax.jit(make_sysid_step(model, tx))
+    p, opt_state, losses = params, tx.init(params.split()[0]), []
+    for n, batch in enumerate(data, 1):
+        p, opt_state, _, metrics = step(p, opt_state, None, batch, jax.random.key(n))
+        losses.append(float(metrics["loss"]))
+    _assert_same_params(fit.final_params, p)
+    np.testing.assert_allclose(fit.losses, losses, rtol=1e-6)
+    # The same budget given as steps trains the same.
+    again = fit_sysid(model, params, tx, iter(data), steps=6, valid=valid, eval_every=2)
+    _assert_same_params(again.final_params, p)
+    assert [h["step"] for h in again.history] == [2, 4, 6] and "epoch" not in again.history[0]
+    # The final params score what the last validation says; the best ones the best.
+    last, _ = evaluate_free_run(model, fit.final_params, valid)
+    np.testing.assert_allclose(np.mean(last["nrmse"]), fit.history[-1]["score"], rtol=1e-6)
+    assert fit.best_score == min(h["score"] for h in fit.history)
+
+
+@pytest.mark.standard_promotion
+def test_fit_final_params_differ_from_the_best_after_early_stopping(tmp_path):
+    model, params, valid, data = _fit_setup(tmp_path, 15)
+    # Gradient ascent: validation gets worse after the first check.
+    fit = fit_sysid(model, params, optax.sgd(-0.5), iter(data), steps=15, valid=valid,
+                    eval_every=5, patience=2)  # fmt: skip
+    assert fit.steps == 15 and fit.best_step == 5
+    best, _ = evaluate_free_run(model, fit.params, valid)
+    last, _ = evaluate_free_run(model, fit.final_params, valid)
+    np.testing.assert_allclose(np.mean(best["nrmse"]), fit.best_score, rtol=1e-6)
+    np.testing.assert_allclose(np.mean(last["nrmse"]), fit.history[-1]["score"], rtol=1e-6)
+    assert np.mean(last["nrmse"]) > np.mean(best["nrmse"])
+
+
+@pytest.mark.standard_promotion
+def test_fit_reports_timing_and_shows_a_progress_bar(tmp_path, capsys):
+    model, params, valid, data = _fit_setup(tmp_path, 8)
+    t0 = time.perf_counter()
+    fit = fit_sysid(model, params, optax.adam(1e-2), iter(data), epochs=2, batches_per_epoch=4,
+                    valid=valid, progress=True, log_every=2)  # fmt: skip
+    wall = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert "epoch 2/2" in err and "8/8" in err, err
+    assert fit.compile_s > 0 and fit.train_s > 0 and fit.eval_s > 0
+    # The three parts do not overlap: together they fit in the call's wall time.
+    assert fit.compile_s + fit.train_s + fit.eval_s <= wall
+    np.testing.assert_allclose(fit.steps_per_s, 7 / fit.train_s)
+    one = fit_sysid(model, params, optax.adam(1e-2), iter(data), steps=1)
+    assert np.isnan(one.steps_per_s) and one.train_s == 0.0 and one.compile_s > 0
+
+
+def test_fit_budget_errors(tmp_path):
+    model, params, valid, data = _fit_setup(tmp_path, 1)
+    tx = optax.adam(1e-2)
+    cases = [
+        (dict(steps=4, epochs=2, batches_per_epoch=2), "not both"),
+        (dict(epochs=2), r"epochs=E with batches_per_epoch=B"),
+        (dict(), r"give the budget as steps=N"),
+        (dict(epochs=0, batches_per_epoch=2), "epochs must be a positive int, got 0"),
+        (dict(epochs=1, batches_per_epoch=2.5), "batches_per_epoch must be a positive int"),
+        (dict(steps=True), "steps must be a positive int"),
+        (dict(steps=2, eval_every=0), "eval_every must be a positive int"),
+        (dict(steps=2, patience=0), "patience must be a positive int"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            fit_sysid(model, params, tx, iter(data), valid=valid, **kwargs)
+    with pytest.raises(ValueError, match="ran out after 1 of 4 steps"):
+        fit_sysid(model, params, tx, iter(data), epochs=2, batches_per_epoch=2)
