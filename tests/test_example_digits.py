@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from tests.bench_checks import bold_ratios, loss_pairs, max_diffs, section
 from tests.scripts import run_benchmark_quick, run_script
 
 pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
@@ -35,3 +36,7 @@ def test_cnn_speed_quick_writes_its_section(tmp_path):
         assert needle in text, needle
     flops = re.search(r"optimised-HLO FLOPs \| (\d+) \| (\d+) \| yes", text)
     assert flops and flops.group(1) == flops.group(2), text
+    s = section(text, "cnn_speed")
+    bold_ratios(s, at_least=1)  # finite and positive
+    max_diffs(s, at_least=1, tol=1e-6)
+    loss_pairs(s, at_least=1)

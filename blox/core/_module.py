@@ -58,6 +58,56 @@ def _dtype_name(dtype: Any) -> str:
         return str(dtype)
 
 
+def _manual_axis_sizes() -> tuple[int, ...]:
+    """The sizes of the manual mesh axes in scope (inside ``jax.shard_map``), else ()."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = getattr(mesh, "manual_axes", ())
+    if not manual:
+        return ()
+    sizes = dict(mesh.shape)
+    return tuple(sizes[name] for name in manual)
+
+
+def is_local_shard(stored: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Whether `stored` is a per-device shard of a parameter of shape `expected` inside
+    ``jax.shard_map``: `expected` divided along some dimensions by the sizes of distinct
+    manual mesh axes in scope (a kernel ``(8, 16)`` split ``P(None, 'model')`` over 4
+    devices is ``(8, 4)`` there). Hand-written tensor parallelism reads such shards.
+    Always False outside ``shard_map`` and for shapes of another rank.
+    """
+    stored, expected = tuple(stored), tuple(expected)
+    if len(stored) != len(expected) or stored == expected:
+        return False
+    ratios = []
+    for s, e in zip(stored, expected, strict=True):
+        if s <= 0 or e % s:
+            return False
+        if e != s:
+            ratios.append(e // s)
+    sizes = [n for n in _manual_axis_sizes() if n > 1]
+    if not sizes:
+        return False
+
+    def place(i: int, free: tuple[int, ...]) -> bool:
+        # Dimension i's ratio must be the product of some of the axes still free.
+        if i == len(ratios):
+            return True
+        return any(place(i + 1, rest) for rest in _divide(ratios[i], free))
+
+    return place(0, tuple(sizes))
+
+
+def _divide(ratio: int, free: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every way to write `ratio` as a product of a subset of `free`: the axes left."""
+    if ratio == 1:
+        return [free]
+    out = []
+    for j, n in enumerate(free):
+        if ratio % n == 0:
+            out += _divide(ratio // n, free[:j] + free[j + 1 :])
+    return out
+
+
 def torch_weight_hint(path: Path) -> str:
     """The `stored_shape_error` hint for a weight ported from PyTorch, which stores a
     matrix as ``(out, in)`` where blox stores ``(in, out)``."""
@@ -214,8 +264,10 @@ class Module:
     ) -> tuple[jax.Array, Params]:
         """Returns the value of parameter `name`, creating it if it is missing.
 
-        When the parameter exists, its stored shape must equal `shape` and its dtype
-        must be of the same kind as `dtype` (floating, integer, bool, complex or PRNG
+        When the parameter exists, its stored shape must equal `shape` (or, inside
+        ``jax.shard_map``, be its per-device shard: `shape` divided along dimensions by
+        the sizes of distinct manual mesh axes in scope) and its dtype must be of the same
+        kind as `dtype` (floating, integer, bool, complex or PRNG
         key; a floating parameter cast to another width, e.g. bf16, is accepted).
         When it is missing and the params are unlocked, ``init(key, shape, dtype)``
         creates it; `key` comes from `rng` (``fold_in(seed, counter)``, counter
@@ -274,7 +326,7 @@ class Module:
         vshape = getattr(value, "shape", None)
         if vshape is None:
             return
-        if tuple(vshape) != shape:
+        if tuple(vshape) != shape and not is_local_shard(tuple(vshape), shape):
             raise ValueError(stored_shape_error(self, path, tuple(vshape), shape))
         vdtype = getattr(value, "dtype", None)
         if vdtype is None or dtype is None:
@@ -312,8 +364,9 @@ class Module:
             )
         if value is None and trainable is None and metadata is None:
             raise ValueError(
-                f"set_param('{format_path(path)}') got nothing to change; pass value=, "
-                "trainable= or metadata=."
+                f"set_param('{format_path(path)}') got nothing to change: At least one of "
+                "value, trainable or metadata must be provided (pass value=, trainable= or "
+                "metadata=)."
             )
         if value is not None and not isinstance(value, jax.Array):
             raise TypeError(

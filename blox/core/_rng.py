@@ -75,7 +75,7 @@ class Rng(Module):
             )
         if seed is None and counter is None:
             raise ValueError(
-                f"Rng '{self.path_str}': at least one of seed= or counter= must be provided."
+                f"Rng '{self.path_str}': At least one of seed= or counter= must be provided."
             )
         if seed is not None:
             key = _as_key(seed, self.path_str)

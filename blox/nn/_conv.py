@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from blox.core import Graph, Module, Params, Rng
-from blox.core._module import stored_shape_error
+from blox.core._module import is_local_shard, stored_shape_error
 from blox.core._params import format_path
 from blox.core._sharding import conv_out_sharding, reshard_dim, resolve_out_sharding
 from blox.nn._dtype import compute_dtype
@@ -39,17 +39,17 @@ __all__ = ["Conv", "ConvTranspose", "PaddingLike"]
 
 _default_kernel_init = jax.nn.initializers.lecun_normal()
 # ConvTranspose kernels are (*k, C_out, C_in // G) (or, with transpose_kernel=True,
-# (*k, C_out // G, C_in)): the input channels, the fan-in, are the last axis.
-_default_transpose_kernel_init = jax.nn.initializers.variance_scaling(
-    1.0, "fan_in", "truncated_normal", in_axis=-1, out_axis=-2
-)
+# (*k, C_out // G, C_in)). The default is jax-blox's, for the same numbers: lecun_normal()
+# with its default axes on (*k, C_out, C_in // G), so the fan-in it counts is
+# prod(k) * C_out (PyTorch's ConvTranspose counts C_out // G * prod(k) too).
+_default_transpose_kernel_init = jax.nn.initializers.lecun_normal()
 
 
 def _transpose_kernel_init(groups: int) -> Callable:
     """The default init for ``transpose_kernel=True`` kernels ``(*k, C_out // G, C_in)``:
-    variance ``1 / (prod(k) * C_in / G)``, as for the default layout."""
+    variance ``1 / (prod(k) * C_out)``, as for the default layout."""
     return jax.nn.initializers.variance_scaling(
-        float(groups), "fan_in", "truncated_normal", in_axis=-1, out_axis=-2
+        1.0 / groups, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1
     )
 
 
@@ -194,8 +194,8 @@ class _ConvBase(Module):
         """
         path = self.param_path("kernel")
         shape = getattr(params.value(path), "shape", None)
-        if shape is None or tuple(shape) == expected:
-            return
+        if shape is None or tuple(shape) == expected or is_local_shard(tuple(shape), expected):
+            return  # a per-device shard inside jax.shard_map is accepted
         stored, n = tuple(shape), self.num_spatial_dims
         if len(stored) != n + 2 or stored[:n] != expected[:n] or stored[fixed] != expected[fixed]:
             why = f" = {legend} for input shape {tuple(x.shape)}"
@@ -573,7 +573,9 @@ class ConvTranspose(_ConvBase):
       kernel_dilation: an int or one per spatial axis.
       feature_group_count: G; both channel counts must be divisible by it.
       use_bias: add a bias per output channel.
-      kernel_init: default: truncated normal with variance ``1 / (prod(k) * C_in / G)``.
+      kernel_init: default: jax-blox's ``lecun_normal()`` on ``(*k, C_out, C_in // G)``,
+        a truncated normal with variance ``1 / (prod(k) * C_out)`` (the same variance
+        with ``transpose_kernel=True``).
       bias_init: default zeros.
       kernel_metadata, bias_metadata: stored with the parameters.
       output_padding: an int or one per spatial axis (default 0).

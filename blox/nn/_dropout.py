@@ -35,8 +35,8 @@ class Dropout(Module):
         super().__init__(graph)
         if not 0.0 <= float(rate) < 1.0:
             raise ValueError(
-                f"Dropout '{self.path_str}': rate must be in [0, 1), got {rate}. "
-                "rate is the probability of dropping an element."
+                f"Dropout '{self.path_str}': rate must be in [0, 1), got {rate}. The "
+                "Dropout rate is the probability of dropping an element."
             )
         self.rate = float(rate)
         self.rng = rng

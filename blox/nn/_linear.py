@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from blox.core import Graph, Module, Params, Rng
-from blox.core._module import stored_shape_error, torch_weight_hint
+from blox.core._module import is_local_shard, stored_shape_error, torch_weight_hint
 from blox.core._params import format_path
 from blox.core._sharding import dot_out_sharding, reshard_dim, resolve_out_sharding
 from blox.nn._dtype import compute_dtype
@@ -161,7 +161,12 @@ class Linear(Module):
             return
         stored = tuple(stored)
         expected = (x.shape[-1], self.output_size)
-        if len(stored) != 2 or stored[1] != self.output_size:
+        # Inside jax.shard_map a column shard (output features split over manual axes)
+        # is accepted: hand-written tensor parallelism computes the local slice.
+        columns_ok = len(stored) == 2 and (
+            stored[1] == self.output_size or is_local_shard(stored[1:], expected[1:])
+        )
+        if not columns_ok:
             raise ValueError(
                 stored_shape_error(
                     self,

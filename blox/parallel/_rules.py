@@ -7,6 +7,7 @@ printable table. Rules need no change to any layer: they are matched against pat
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -166,11 +167,59 @@ def _check_spec(
     return PartitionSpec(*spec)
 
 
+def _closest(pattern: str, paths: list[str], n: int = 5) -> list[str]:
+    """Up to `n` paths whose end looks most like `pattern` (a misspelling's target), or
+    the first `n` paths when none is close."""
+    depth = pattern.count("/") + 1
+    scored = []
+    for p in paths:
+        end = "/".join(p.split("/")[-depth:])
+        ratio = difflib.SequenceMatcher(None, pattern, end).ratio()
+        if ratio >= 0.6:
+            scored.append((-ratio, p))
+    return [p for _, p in sorted(scored)[:n]] or paths[:n]
+
+
+def _unused_error(
+    unused: list[_Rule],
+    compiled: list[_Rule],
+    taken: dict[int, list[tuple[str, int]]],
+    paths: list[str],
+) -> str:
+    """The message for rules that place no parameter: never matched, or shadowed."""
+    lines = []
+    for r in unused:
+        hits = taken.get(r.index, [])
+        if not hits:
+            some = _closest(r.pattern, paths)
+            lines.append(
+                f"    {r.label()} matches no parameter; some paths: "
+                + (", ".join(f"'{p}'" for p in some) or "(no parameters)")
+            )
+        else:
+            by = sorted({i for _, i in hits})
+            lines.append(
+                f"    {r.label()} is shadowed: every parameter it matches is taken by an "
+                f"earlier rule ({', '.join(compiled[i].label() for i in by)}), e.g. "
+                f"'{hits[0][0]}'"
+            )
+    return (
+        f"{len(unused)} sharding rule(s) place no parameter (the first matching rule "
+        "places each parameter):\n"
+        + "\n".join(lines)
+        + "\nFix the pattern (patterns are regular expressions matched against the end of "
+        "the path, whole names), move a shadowed rule before the rule that takes its "
+        "parameters, or delete it; pass allow_unused=True when one rule list serves "
+        "several models."
+    )
+
+
 def _resolve(
     params: Params,
     rules: Sequence[Rule],
     mesh: Mesh | None,
     replicate_rest: bool,
+    allow_unused: bool = False,
 ) -> list[_Row]:
     if not isinstance(params, Params):
         raise TypeError(
@@ -183,20 +232,20 @@ def _resolve(
     s = params._struct
     rows: list[_Row] = []
     unmatched: list[str] = []
+    won: set[int] = set()
+    taken: dict[int, list[tuple[str, int]]] = {}  # rule -> (path, winning rule) it lost
+    paths = []
     for key, value, info in zip(s.keys, params._values, s.infos, strict=True):
         path = format_path(key)
+        paths.append(path)
         shape = tuple(getattr(value, "shape", ()))
         hits = [r for r in compiled if r.regex.fullmatch(path)]
         meta = tuple(_thaw(info[1]).get("sharding", ()) or ())
         if hits:
-            first = hits[0]
+            first = hits[0]  # first match wins: later matching rules are not consulted
+            won.add(first.index)
             for other in hits[1:]:
-                if other.spec != first.spec:
-                    raise ValueError(
-                        f"Parameter '{path}' of shape {shape} matches conflicting rules: "
-                        f"{first.label()} and {other.label()}. Make the patterns disjoint "
-                        "(e.g. anchor them with more of the path) or give them the same spec."
-                    )
+                taken.setdefault(other.index, []).append((path, first.index))
             source = f"rule {first.index}"
             if first.spec is None:
                 spec = PartitionSpec()
@@ -225,6 +274,9 @@ def _resolve(
                 example=re.escape(first),
             )
         )
+    unused = [r for r in compiled if r.index not in won]
+    if unused and not allow_unused:
+        raise ValueError(_unused_error(unused, compiled, taken, paths))
     return rows
 
 
@@ -234,6 +286,7 @@ def param_specs(
     mesh: Mesh | None = None,
     *,
     replicate_rest: bool = False,
+    allow_unused: bool = False,
 ) -> Params:
     """The ``PartitionSpec`` of every parameter, as a `Params` with the same paths.
 
@@ -245,8 +298,9 @@ def param_specs(
 
     Resolution, per parameter:
 
-    1. All rules whose pattern matches must agree; two matching rules with different
-       specs are a conflict (error). Their order is the order of the table.
+    1. **The first matching rule wins** (as in t5x/EasyLM rule lists): later rules that
+       also match are not consulted, so specific rules go first and a catch-all such as
+       ``('.*', None)`` last.
     2. A matching rule **wins over** ``metadata['sharding']`` (the layer author's default):
        rules are the deployment decision for this mesh. `sharding_table` marks each such
        override.
@@ -254,20 +308,28 @@ def param_specs(
     4. Otherwise the parameter is unmatched: an error listing every unmatched path next
        to the rules, unless ``replicate_rest=True`` (then it is replicated).
 
+    Every rule must place at least one parameter: a rule that matches none (often a
+    misspelled pattern, which ``replicate_rest=True`` would otherwise hide) or whose
+    every match is taken by an earlier rule (shadowed) is an error naming it, unless
+    ``allow_unused=True``.
+
     Args:
       params: concrete or abstract params (``jax.eval_shape(init)``); non-trainable
         ones (RNG seeds, running statistics) need a rule too.
       rules: the ordered ``(pattern, spec)`` list.
       mesh: when given, axis names and divisibility are checked against it.
       replicate_rest: replicate unmatched parameters instead of raising.
+      allow_unused: accept rules that place no parameter (e.g. one rule list shared by
+        several models) instead of raising.
 
     Returns:
       A `Params` of ``PartitionSpec`` leaves (same paths, flags and metadata).
 
     Raises:
-      ValueError: unmatched parameters, conflicting rules, a spec whose length differs
-        from the rank, an axis the mesh lacks, an axis used twice, or a dimension not
-        divisible by its axes; each names the path and the shape.
+      ValueError: unmatched parameters, a rule that places no parameter (unless
+        `allow_unused`), a spec whose length differs from the rank, an axis the mesh
+        lacks, an axis used twice, or a dimension not divisible by its axes; each names
+        the path and the shape, or the rule.
       TypeError: malformed rules.
 
     >>> import jax.numpy as jnp, blox as bx
@@ -278,8 +340,11 @@ def param_specs(
     >>> specs = bp.param_specs(params, [('fc/kernel', (None, 'model')), ('fc/bias', ('model',))])
     >>> specs[('net', 'fc', 'kernel')].value
     P(None, 'model')
+    >>> specs = bp.param_specs(params, [('fc/kernel', (None, 'model')), ('.*', None)])
+    >>> specs[('net', 'fc', 'bias')].value  # the catch-all: first match wins
+    P()
     """
-    rows = _resolve(params, rules, mesh, replicate_rest)
+    rows = _resolve(params, rules, mesh, replicate_rest, allow_unused)
     return Params._make(params._struct, tuple(r.spec for r in rows))
 
 
@@ -289,9 +354,21 @@ def param_shardings(
     mesh: Mesh,
     *,
     replicate_rest: bool = False,
+    allow_unused: bool = False,
 ) -> Params:
-    """The ``NamedSharding`` of every parameter (see `param_specs` for the rules), for
+    """The ``NamedSharding`` of every parameter (see `param_specs` for the rules: first
+    match wins, every rule must place a parameter unless ``allow_unused=True``), for
     ``jax.jit(init, out_shardings=...)`` and ``jax.device_put``.
+
+    Args:
+      params: concrete or abstract params.
+      rules: the ordered ``(pattern, spec)`` list.
+      mesh: the mesh the shardings live on.
+      replicate_rest: replicate unmatched parameters instead of raising.
+      allow_unused: accept rules that place no parameter.
+
+    Returns:
+      A `Params` of ``NamedSharding`` leaves (same paths, flags and metadata).
 
     >>> import jax, jax.numpy as jnp, blox as bx
     >>> from blox import parallel as bp
@@ -307,7 +384,9 @@ def param_shardings(
             f"param_shardings needs a jax.sharding.Mesh, got {type(mesh).__name__}. Build one "
             "with blox.parallel.make_mesh."
         )
-    specs = param_specs(params, rules, mesh, replicate_rest=replicate_rest)
+    specs = param_specs(
+        params, rules, mesh, replicate_rest=replicate_rest, allow_unused=allow_unused
+    )
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
@@ -315,16 +394,48 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
 
-def opt_state_specs(opt_state: Any, specs: Params) -> Any:
+def _fits(spec: PartitionSpec, shape: tuple[int, ...], sizes: dict[str, int] | None) -> bool:
+    """Whether a parameter's `spec` can lay out an optimizer-state leaf of `shape`: one
+    entry per dimension, and every sharded dimension divisible by its axes (without a
+    mesh: larger than 1, since a size-1 dimension is sharded over size-1 axes only)."""
+    if len(spec) == 0:
+        return True
+    if len(spec) != len(shape):
+        return False
+    for entry, size in zip(spec, shape, strict=True):
+        if entry is None:
+            continue
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if sizes is None:
+            if size <= 1:
+                return False
+            continue
+        total = 1
+        for name in names:
+            total *= sizes.get(name, 1)
+        if size % total:
+            return False
+    return True
+
+
+def opt_state_specs(opt_state: Any, specs: Params, mesh: Mesh | None = None) -> Any:
     """The ``PartitionSpec`` tree of an Optax state built from params with `specs`.
 
-    Every `Params` inside the state (Adam's ``mu`` and ``nu``, momentum, EMA ...) takes
-    the specs of its parameters, path by path; every other leaf must be a scalar (step
-    counts) and is replicated.
+    Every `Params` inside the state (Adam's ``mu`` and ``nu``, momentum, EMA, Adafactor's
+    ``v``, ``v_row``, ``v_col`` ...) is laid out path by path: a leaf takes its
+    parameter's spec when that spec fits it (one entry per dimension, each sharded
+    dimension divisible by its mesh axes), which a leaf of the parameter's shape always
+    does; any other leaf is replicated. So Adafactor's factored row/column statistics
+    (one dimension fewer than the parameter) and its ``(1,)`` placeholders are
+    replicated, and ``jax.jit(tx.init, out_shardings=...)`` accepts the tree. Every
+    other leaf must be a scalar (step counts) and is replicated.
 
     Args:
       opt_state: the state (or ``jax.eval_shape(tx.init, trainable)``).
       specs: from `param_specs` (all params, or the trainable half).
+      mesh: the mesh the specs are for; when given, divisibility is checked against its
+        axis sizes (`opt_state_shardings` passes it). Without it, a sharded dimension of
+        size 1 does not fit (the only divisible case shards over size-1 axes).
 
     Returns:
       A tree with the structure of `opt_state` and ``PartitionSpec`` leaves.
@@ -332,12 +443,27 @@ def opt_state_specs(opt_state: Any, specs: Params) -> Any:
     Raises:
       ValueError: a non-scalar leaf outside a `Params`, or a `Params` with a path that
         `specs` lacks; the message names the leaf.
+
+    >>> import jax, jax.numpy as jnp, optax, blox as bx
+    >>> from blox import parallel as bp
+    >>> params = bx.Params()
+    >>> params[('fc', 'kernel')] = bx.Param(jnp.zeros((4, 8)))
+    >>> specs = bp.param_specs(params, [('kernel', (None, 'model'))])
+    >>> state = jax.eval_shape(optax.adafactor(1e-3, min_dim_size_to_factor=2).init, params)
+    >>> tree = bp.opt_state_specs(state, specs)
+    >>> tree[0].v_row[('fc', 'kernel')].value, tree[0].v_col[('fc', 'kernel')].value
+    (P(), P())
     """
     if not isinstance(specs, Params):
         raise TypeError(
             f"opt_state_specs: specs must be the Params returned by param_specs, got "
             f"{type(specs).__name__}."
         )
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"opt_state_specs: mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}."
+        )
+    sizes = None if mesh is None else dict(mesh.shape)
     table = specs.arrays()
 
     def leaf(kp, x):
@@ -349,7 +475,12 @@ def opt_state_specs(opt_state: Any, specs: Params) -> Any:
                     f"parameters without a spec: {missing[:5]}. Pass the specs of the params "
                     "the state was built from."
                 )
-            return Params._make(x._struct, tuple(table[k] for k in x.keys()))
+            out = []
+            for k, v in zip(x.keys(), x._values, strict=True):
+                spec = table[k]
+                shape = tuple(getattr(v, "shape", ()))
+                out.append(spec if _fits(spec, shape, sizes) else PartitionSpec())
+            return Params._make(x._struct, tuple(out))
         shape = tuple(getattr(x, "shape", ()))
         if shape:
             raise ValueError(
@@ -365,8 +496,17 @@ def opt_state_specs(opt_state: Any, specs: Params) -> Any:
 
 
 def opt_state_shardings(opt_state: Any, specs: Params, mesh: Mesh) -> Any:
-    """The ``NamedSharding`` tree of an Optax state (see `opt_state_specs`), for
-    ``jax.jit(tx.init, out_shardings=...)``.
+    """The ``NamedSharding`` tree of an Optax state (see `opt_state_specs`: leaves of
+    their parameter's shape follow it, others such as Adafactor's factored statistics
+    are replicated), for ``jax.jit(tx.init, out_shardings=...)``.
+
+    Args:
+      opt_state: the state (or ``jax.eval_shape(tx.init, trainable)``).
+      specs: from `param_specs`.
+      mesh: the mesh of the shardings.
+
+    Returns:
+      A tree with the structure of `opt_state` and ``NamedSharding`` leaves.
 
     >>> import jax, jax.numpy as jnp, optax, blox as bx
     >>> from blox import parallel as bp
@@ -379,7 +519,12 @@ def opt_state_shardings(opt_state: Any, specs: Params, mesh: Mesh) -> Any:
     >>> sh[0].mu[('fc', 'kernel')].value.spec, sh[0].count.spec
     (P(None, 'model'), P())
     """
-    tree = opt_state_specs(opt_state, specs)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"opt_state_shardings needs a jax.sharding.Mesh, got {type(mesh).__name__}. Build "
+            "one with blox.parallel.make_mesh."
+        )
+    tree = opt_state_specs(opt_state, specs, mesh)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=_is_spec)
 
 
@@ -389,13 +534,15 @@ def sharding_table(
     mesh: Mesh,
     *,
     replicate_rest: bool = False,
+    allow_unused: bool = False,
 ) -> str:
     """A printable table: path, global shape, ``PartitionSpec``, per-device shape, and
     where the spec came from (which rule, metadata, or ``replicate_rest``).
 
     The last line gives the mesh and the bytes per device (float leaves at their dtype).
+    Rules resolve as in `param_specs` (first match wins; `allow_unused` likewise).
     """
-    rows = _resolve(params, rules, mesh, replicate_rest)
+    rows = _resolve(params, rules, mesh, replicate_rest, allow_unused)
     sizes = dict(mesh.shape)
     values = dict(zip(params.keys(), params._values, strict=True))
     lines = []

@@ -338,7 +338,7 @@ def test_rng_errors():
     with pytest.raises(KeyError, match="not initialized"):
         rng.get_seed(bx.Params())
     params = rng.seed(bx.Params(), seed=1)
-    with pytest.raises(ValueError, match="at least one of seed= or counter="):
+    with pytest.raises(ValueError, match="At least one of seed= or counter="):
         rng.seed(params)
     with pytest.raises(TypeError, match="seed must be an int"):
         rng.seed(bx.Params(), seed=1.5)

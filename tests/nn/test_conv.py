@@ -135,9 +135,25 @@ def test_default_kernel_init_is_lecun_normal_over_the_fan_in(cls, kw):
     )
     np.testing.assert_array_equal(np.asarray(_bias(params)), np.zeros(96))  # bias: zeros
     kernel = np.asarray(_kernel(params))
-    fan_in = 9 * 64 // 2  # prod(k) * C_in / G in every case
+    # Conv: prod(k) * C_in / G. ConvTranspose (either layout): prod(k) * C_out, the
+    # fan-in lecun_normal() counts on jax-blox's (*k, C_out, C_in // G) kernel.
+    fan_in = 9 * 64 // 2 if cls is bx.Conv else 9 * 96
     assert abs(kernel.std() - fan_in**-0.5) < 0.03 * fan_in**-0.5
     assert abs(kernel.mean()) < 0.03 * fan_in**-0.5
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_default_transpose_kernel_equals_jax_blox_lecun_normal_draw(groups):
+    """jax-blox 0.1.6's ConvTranspose kernel is (*k, C_out, C_in // G) drawn with
+    lecun_normal() (in_axis=-2, out_axis=-1) from the parameter's key, fold_in(seed, 0)
+    for the first parameter: blox's default kernel is that array."""
+    _, params = _init(
+        lambda g, r: bx.ConvTranspose(g / "conv", (3, 2), 6, r, feature_group_count=groups),
+        jnp.ones((1, 4, 4, 4)),
+    )
+    key = jax.random.fold_in(jax.random.key(0), 0)
+    want = jax.nn.initializers.lecun_normal()(key, (3, 2, 6, 4 // groups), jnp.float32)
+    np.testing.assert_allclose(np.asarray(_kernel(params)), np.asarray(want), rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- padding rules

@@ -181,10 +181,6 @@ def test_unmatched_paths_are_listed_next_to_the_rules():
         ([("fc/kernel", ("model",))], r"'net/fc/kernel' of shape \(4, 8\) has 2 dimension"),
         ([("fc/kernel", (None, "tensor"))], r"'net/fc/kernel' of shape \(4, 8\).*axis 'tensor'"),
         ([("fc/kernel", (None, "data"))], r"'net/fc/kernel' of shape \(4, 8\).*size 3"),
-        (
-            [("fc/kernel", (None, "model")), ("kernel", ("model", None))],
-            r"'net/fc/kernel' of shape \(4, 8\) matches conflicting rules: rule 0",
-        ),
         ([("fc/kernel", ("model", "model"))], "uses mesh axis 'model' for dimensions 0 and 1"),
         ([("fc/(kernel", None)], "is not a regular expression"),
     ],
@@ -222,7 +218,8 @@ def test_opt_state_shardings_follow_their_parameters():
     assert adam.count.spec == P()
     # Sharded init of params and optimizer state, then a real update keeps the layout.
     concrete = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), trainable)
-    t = jax.device_put(concrete, bp.param_shardings(trainable, LM_RULES, mesh))
+    # The trainable half has no RNG state, so the RNG rule places nothing there.
+    t = jax.device_put(concrete, bp.param_shardings(trainable, LM_RULES, mesh, allow_unused=True))
     opt = jax.jit(tx.init, out_shardings=sh)(t)
     assert opt[1][0].mu[k].value.sharding.spec == P("model", None)
     np.testing.assert_array_equal(np.asarray(opt[1][0].mu[k].value), 0.0)
