@@ -5,6 +5,7 @@
     python examples/gpt_tp.py --size tiny --steps 3 --mesh 1x8   # seconds (smoke test)
     python -m blox.launch -n 2 --devices-per-process 4 \\
         examples/gpt_tp.py --size tiny --mesh 2x4                # 2 processes x 4 devices
+    python examples/gpt_tp.py --mesh 8x1 --fsdp          # FSDP (ZeRO-3): the same losses
     python examples/gpt_tp.py --mesh 4x2 --ckpt-dir /tmp/gpt --steps 100   # save ...
     python examples/gpt_tp.py --mesh 2x4 --ckpt-dir /tmp/gpt --steps 200   # ... resume at TP=4
 
@@ -33,6 +34,13 @@ N`` (the run's total), on any ``--mesh``: the arrays are read straight into this
 shardings (derived from the rules), so a checkpoint written at TP = 2 resumes at TP = 4
 or TP = 1. On the same mesh the resumed lines equal those of a run that never stopped,
 bit for bit.
+
+``--fsdp`` shards the parameters and the optimizer state over ``data`` too
+(`blox.parallel.fsdp_specs` on top of the TP specs) and trains with
+`make_fsdp_train_step`: each layer's weights are all-gathered just before use (the
+model calls its layers through `blox.parallel.fsdp_call`) and their gradients leave as a
+reduce-scatter. The script prints ``param_bytes_per_device=<int>`` (read from the
+arrays' shardings) once before training; the losses equal those of ``--mesh 1x1``.
 
 Text: the source of a few standard-library modules (as ``examples/char_lm.py``).
 """
@@ -93,11 +101,13 @@ class GPT(bx.Module):
         self.final_norm = bx.LayerNorm(graph / "final_norm")
 
     def __call__(self, params, tokens):
-        h, params = self.embed(params, tokens)
+        # fsdp_call: under --fsdp each layer's weights are gathered over `data` just
+        # before use and dropped after; otherwise it is the plain call.
+        h, params = bp.fsdp_call(self.embed, params, tokens)
         for block in self.blocks:
-            h, params = block(params, h, is_causal=True)
+            h, params = bp.fsdp_call(block, params, h, is_causal=True)
         h, params = self.final_norm(params, h)
-        return self.embed.attend(params, h)
+        return bp.fsdp_call(self.embed.attend, params, h)
 
 
 def window_starts(seed: int, step: int, batch: int, n_tokens: int, context: int) -> np.ndarray:
@@ -113,6 +123,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--steps", type=int, default=None, help="the run's total steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mesh", default="2x4", help="DxM: data x model devices")
+    parser.add_argument(
+        "--fsdp", action="store_true", help="shard params and optimizer state over data"
+    )
     parser.add_argument("--ckpt-dir", default=None, help="checkpoint here; resume if it holds one")
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     args = parser.parse_args(argv)
@@ -152,7 +165,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     abstract = jax.eval_shape(init)
     print(bp.sharding_table(abstract, rules, mesh), flush=True)
     specs = bp.param_specs(abstract, rules, mesh)
-    params = jax.jit(init, out_shardings=bp.param_shardings(abstract, rules, mesh))()
+    if args.fsdp:  # ZeRO-3: every large trainable leaf also sharded over `data`
+        specs = bp.fsdp_specs(abstract, mesh, base=specs)
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    params = jax.jit(init, out_shardings=shardings)()
+    print(f"param_bytes_per_device={bp.bytes_per_device(params)}", flush=True)
     tx = optax.adamw(lr, weight_decay=0.01)
     trainable = params.split()[0]
     opt_state = jax.jit(
@@ -165,9 +184,11 @@ def main(argv: list[str] | None = None) -> list[float]:
         ll = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(ll, y[..., None], axis=-1)), params
 
-    step = jax.jit(
-        bp.make_dp_train_step(loss_fn, tx, mesh, param_specs=specs), donate_argnums=(0, 1)
-    )
+    if args.fsdp:
+        step_fn = bp.make_fsdp_train_step(loss_fn, tx, mesh, specs)
+    else:
+        step_fn = bp.make_dp_train_step(loss_fn, tx, mesh, param_specs=specs)
+    step = jax.jit(step_fn, donate_argnums=(0, 1))
     batch_sharding = NamedSharding(mesh, P("data"))
     shard = bd.process_shard(batch, batch_sharding)  # the rows this process builds
     state = {"params": params, "opt_state": opt_state, "step": 0}

@@ -9,6 +9,8 @@ behind the user's back.
   `ppermute`, `broadcast`.
 * Data parallelism: `dp_value_and_grad` (inside your ``shard_map``), `make_dp_train_step`,
   `split_batch`.
+* Fully sharded data parallelism (ZeRO-3): `fsdp_specs`, `fsdp_call` (inside your loss),
+  `fsdp_value_and_grad`, `make_fsdp_train_step`, `bytes_per_device`.
 * Tensor parallelism: `ColumnParallelLinear`, `RowParallelLinear`, `ParallelMLP`,
   `ParallelMultiHeadAttention`, `ParallelTransformerBlock`.
 * Per-device RNG streams: `fold_seeds`, `restore_seeds`.
@@ -25,6 +27,11 @@ from blox.parallel._collectives import reduce_scatter as reduce_scatter
 from blox.parallel._dp import dp_value_and_grad as dp_value_and_grad
 from blox.parallel._dp import make_dp_train_step as make_dp_train_step
 from blox.parallel._dp import split_batch as split_batch
+from blox.parallel._fsdp import bytes_per_device as bytes_per_device
+from blox.parallel._fsdp import fsdp_call as fsdp_call
+from blox.parallel._fsdp import fsdp_specs as fsdp_specs
+from blox.parallel._fsdp import fsdp_value_and_grad as fsdp_value_and_grad
+from blox.parallel._fsdp import make_fsdp_train_step as make_fsdp_train_step
 from blox.parallel._mesh import bound_axes as bound_axes
 from blox.parallel._mesh import describe_mesh as describe_mesh
 from blox.parallel._mesh import make_mesh as make_mesh

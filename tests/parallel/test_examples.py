@@ -154,6 +154,17 @@ def test_gpt_tp_resumes_on_another_mesh(tmp_path):
     np.testing.assert_allclose(_losses(_lines(on_8x1, 3)), _losses(ref_8x1[2:]), rtol=1e-5)
 
 
+def test_gpt_tp_fsdp_equals_one_device():
+    """Issue 25: ``--fsdp`` on a data 2 x model 4 mesh (FSDP x TP) prints the losses of the
+    one-device run, with the parameters sharded over both axes."""
+    tiny = ("--size", "tiny", "--steps", "3")
+    one, fsdp = _run_all((GPT, *tiny, "--mesh", "1x1"), (GPT, *tiny, "--mesh", "2x4", "--fsdp"))
+    np.testing.assert_allclose(_losses(_lines(fsdp)), _losses(_lines(one)), rtol=1e-5)
+    assert len(_lines(one)) == 3
+    sizes = [int(re.search(r"^param_bytes_per_device=(\d+)$", out, re.M)[1]) for out in (one, fsdp)]
+    assert sizes[1] < sizes[0] / 4, sizes  # 8 devices; small leaves stay replicated
+
+
 def test_parallel_speed_quick_writes_its_section(tmp_path):
     from tests.scripts import run_benchmark_quick
 

@@ -1,0 +1,834 @@
+"""Fully sharded data parallelism (ZeRO-3) as plain functions.
+
+Parameters and optimizer state live sharded over the data axis, one dimension per leaf
+(`fsdp_specs`). Inside the user's ``jax.shard_map`` step (`fsdp_value_and_grad`, or the
+whole step from `make_fsdp_train_step`), the params the loss function receives hold the
+**local shards** of those leaves, each marked with ``metadata['fsdp'] = (axis, dim)``;
+the loss function wraps each layer call in `fsdp_call`, which all-gathers that layer's
+marked leaves just before the call and drops them after. Its backward (a ``custom_vjp``
+that keeps only the shards and the inputs) gathers them again and recomputes the layer,
+then reduce-scatters the weights' gradients (the transpose of the gather): the gradients
+leave the step sharded, summed over the data axis, with no full gradient tree and no
+all-reduce of parameter-sized buffers.
+
+Small leaves (below ``min_size`` elements) and leaves without a divisible dimension stay
+replicated and are handled as in `dp_value_and_grad` (local gradients, one all-reduce).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec
+
+from blox.core import Module, Params, Rng
+from blox.core._params import Path, _freeze, _make_info, _Structure, _thaw, format_path
+from blox.parallel._collectives import check_axis
+from blox.parallel._dp import (
+    _aux_finish,
+    _aux_terms,
+    _settle_state,
+    _to_varying,
+    _unpack,
+    _weight,
+    split_batch,
+)
+from blox.parallel._mesh import constrain, varying_axes
+from blox.parallel._rng import fold_seeds, restore_seeds
+
+__all__ = [
+    "bytes_per_device",
+    "fsdp_call",
+    "fsdp_specs",
+    "fsdp_value_and_grad",
+    "make_fsdp_train_step",
+]
+
+MARK = "fsdp"  # metadata key of a local shard inside the step: (axis, dim)
+_GATHER_MODES = ("per_layer", "per_step")
+
+
+# ---------------------------------------------------------------------------
+# Specs
+# ---------------------------------------------------------------------------
+
+
+def _entry_names(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _spec_tuple(spec: Any, rank: int, path: str) -> list:
+    entries = list(spec) if isinstance(spec, PartitionSpec) else None
+    if entries is None:
+        raise TypeError(
+            f"fsdp_specs: base spec of '{path}' is {spec!r}, not a PartitionSpec. Pass base="
+            "bp.param_specs(params, rules, mesh)."
+        )
+    if len(entries) > rank:
+        raise ValueError(
+            f"fsdp_specs: base spec {spec} of '{path}' has {len(entries)} entries for a "
+            f"parameter of rank {rank}."
+        )
+    return entries + [None] * (rank - len(entries))
+
+
+def fsdp_specs(
+    params: Params,
+    mesh: Mesh,
+    *,
+    axis: str = "data",
+    base: Params | None = None,
+    rules: Sequence[tuple[str, int | None]] = (),
+    min_size: int = 1024,
+    predicate: Callable[[Path, Any], bool] | None = None,
+) -> Params:
+    """The ``PartitionSpec`` of every parameter with the trainable ones sharded over the
+    data axis along one dimension each (ZeRO-3 layout).
+
+    Per trainable parameter (``params.split(predicate)[0]``), in this order:
+
+    1. a matching rule ``(pattern, dim)`` (a regular expression matched against the end
+       of the path, whole names, as in `param_specs`) shards dimension ``dim``, or with
+       ``dim=None`` leaves the parameter as `base` has it;
+    2. a parameter with fewer than `min_size` elements keeps its `base` spec (replicated
+       over `axis`: biases, norms);
+    3. otherwise the dimension with the largest per-device length (after the `base`
+       axes) divisible by the size of `axis` is sharded; with none, the parameter keeps
+       its `base` spec.
+
+    `axis` is appended to the dimension's `base` entry, so a TP spec ``P(None, 'model')``
+    becomes ``P('data', 'model')`` and an entry ``'model'`` becomes ``('model', 'data')``
+    (the data axis minor: its all-gather rebuilds the TP shard). Non-trainable
+    parameters keep their `base` spec.
+
+    Args:
+      params: concrete or abstract params (``jax.eval_shape(init)``).
+      mesh: the mesh; `axis` must be one of its axes.
+      axis: the data axis the parameters are sharded over.
+      base: specs from `param_specs` (e.g. TP rules) to start from; default replicated.
+      rules: ``[(pattern, dim or None)]`` overrides of the default choice.
+      min_size: parameters with fewer elements stay replicated over `axis`.
+      predicate: ``(path, Param) -> bool``: the trained parameters (default: trainable).
+
+    Returns:
+      A `Params` of ``PartitionSpec`` leaves (same paths), for `param_shardings`-style
+      use: ``jax.tree.map(lambda s: NamedSharding(mesh, s), specs)``, `opt_state_specs`.
+
+    Raises:
+      ValueError: `axis` not in the mesh or already used by `base`; a rule whose ``dim``
+        is out of range or not divisible by the size of `axis`; conflicting rules; a
+        `base` that lacks a path. Each names the path and the shape.
+
+    >>> import jax, jax.numpy as jnp, blox as bx
+    >>> from blox import parallel as bp
+    >>> mesh = bp.make_mesh((8,), ('data',))
+    >>> params = bx.Params()
+    >>> params[('fc', 'kernel')] = bx.Param(jnp.zeros((64, 32)))
+    >>> params[('fc', 'bias')] = bx.Param(jnp.zeros((32,)))
+    >>> specs = bp.fsdp_specs(params, mesh)
+    >>> specs[('fc', 'kernel')].value, specs[('fc', 'bias')].value
+    (P('data', None), P())
+    """
+    if not isinstance(params, Params):
+        raise TypeError(f"fsdp_specs: params must be bx.Params, got {type(params).__name__}.")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"fsdp_specs: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}. Build "
+            "one with blox.parallel.make_mesh."
+        )
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"fsdp_specs: data axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}. "
+            f"Pass axis=<one of {tuple(mesh.axis_names)}>."
+        )
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+        raise ValueError(f"fsdp_specs: min_size must be an int >= 0, got {min_size!r}.")
+    sizes = dict(mesh.shape)
+    n = sizes[axis]
+    compiled = []
+    for i, rule in enumerate(rules):
+        ok = isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
+        if not ok or not (rule[1] is None or type(rule[1]) is int):
+            raise TypeError(
+                f"fsdp_specs: rule {i} is {rule!r}; each rule is (pattern, dim) with a string "
+                "pattern and an int dimension (or None to keep the base spec), e.g. "
+                "('embed/embedding', 1)."
+            )
+        try:
+            regex = re.compile(rf"(?:.*/)?(?:{rule[0]})")
+        except re.error as e:
+            raise ValueError(f"fsdp_specs: rule {i} pattern {rule[0]!r}: {e}.") from None
+        compiled.append((i, rule[0], regex, rule[1]))
+    base_table = None
+    if base is not None:
+        if not isinstance(base, Params):
+            raise TypeError(
+                f"fsdp_specs: base must be the Params returned by param_specs, got "
+                f"{type(base).__name__}."
+            )
+        base_table = base.arrays()
+    trained = set(params.split(predicate)[0].keys())
+    out = []
+    for key, value in zip(params.keys(), params._values, strict=True):
+        path = format_path(key)
+        shape = tuple(getattr(value, "shape", ()))
+        if base_table is None:
+            entries = [None] * len(shape)
+        elif key not in base_table:
+            raise ValueError(
+                f"fsdp_specs: base has no spec for '{path}'. Pass the specs of these params "
+                "(bp.param_specs(params, rules, mesh))."
+            )
+        else:
+            entries = _spec_tuple(base_table[key], len(shape), path)
+        used = [e for e in entries for e in _entry_names(e)]
+        if axis in used:
+            raise ValueError(
+                f"fsdp_specs: base spec {PartitionSpec(*entries)} of '{path}' {shape} already "
+                f"uses the data axis {axis!r}; fsdp_specs adds it. Leave {axis!r} out of the "
+                "base rules."
+            )
+
+        local = [
+            shape[d] // math.prod(sizes[a] for a in _entry_names(entries[d]))
+            for d in range(len(shape))
+        ]
+
+        hits = [r for r in compiled if r[2].fullmatch(path)]
+        dim = None
+        if key in trained and hits:
+            dims = {r[3] for r in hits}
+            if len(dims) > 1:
+                a, b = hits[0], next(r for r in hits if r[3] != hits[0][3])
+                raise ValueError(
+                    f"fsdp_specs: '{path}' {shape} matches rule {a[0]} ({a[1]!r} -> {a[3]}) and "
+                    f"rule {b[0]} ({b[1]!r} -> {b[3]}). Make the patterns disjoint."
+                )
+            dim = hits[0][3]
+            if dim is not None:
+                if not -len(shape) <= dim < len(shape):
+                    raise ValueError(
+                        f"fsdp_specs: rule {hits[0][0]} ({hits[0][1]!r} -> {dim}) shards "
+                        f"dimension {dim} of '{path}', which has shape {shape}."
+                    )
+                dim %= len(shape)
+                if local[dim] % n:
+                    raise ValueError(
+                        f"fsdp_specs: rule {hits[0][0]} shards dimension {dim} of '{path}' "
+                        f"{shape} (per-device length {local[dim]}) over {axis!r} of size {n}, "
+                        f"which does not divide it. Pick a dimension divisible by {n}, or "
+                        "None to replicate."
+                    )
+        elif key in trained and math.prod(shape) >= min_size and shape:
+            candidates = [d for d in range(len(shape)) if local[d] % n == 0 and local[d] > 0]
+            if candidates:
+                dim = max(candidates, key=lambda d: (local[d], -d))
+        if dim is not None:
+            names = _entry_names(entries[dim]) + (axis,)
+            entries[dim] = names[0] if len(names) == 1 else names
+        if all(e is None for e in entries) and (base_table is None or dim is None):
+            out.append(base_table[key] if base_table is not None else PartitionSpec())
+        else:
+            out.append(PartitionSpec(*entries))  # one entry per dimension
+    return Params._make(params._struct, tuple(out))
+
+
+def _sharded_dims(specs: Params, axis: str, where: str) -> dict[Path, int]:
+    """``{path: dim}`` of the leaves whose spec shards a dimension over `axis`."""
+    out = {}
+    for key, spec in specs.arrays().items():
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(
+                f"{where}: specs must hold PartitionSpec leaves (from fsdp_specs); "
+                f"'{format_path(key)}' holds {type(spec).__name__}."
+            )
+        for d, entry in enumerate(spec):
+            names = _entry_names(entry)
+            if axis in names:
+                if names[-1] != axis:
+                    raise ValueError(
+                        f"{where}: the spec {spec} of '{format_path(key)}' puts the data axis "
+                        f"{axis!r} before {names[names.index(axis) + 1 :]} in dimension {d}; it "
+                        f"must be the last name of the entry (e.g. ('model', {axis!r})), so "
+                        "that its all-gather rebuilds the local block. Use fsdp_specs."
+                    )
+                out[key] = d
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Marks: which leaves of the params handed to the loss are local shards
+# ---------------------------------------------------------------------------
+
+
+def _mark_of(info: tuple) -> tuple[str, int] | None:
+    meta = info[1]
+    if not meta:
+        return None
+    for k, v in meta:
+        if k == MARK:
+            axis, dim = _thaw(v)
+            return axis, dim
+    return None
+
+
+def _with_marks(params: Params, marks: dict[Path, tuple[str, int]]) -> Params:
+    s = params._struct
+    infos = []
+    for key, info in zip(s.keys, s.infos, strict=True):
+        if key in marks:
+            meta = _thaw(info[1]) if info[1] else {}
+            meta[MARK] = marks[key]
+            info = (info[0], _freeze(meta, format_path(key)))
+        infos.append(info)
+    return Params._make(_Structure(s.keys, tuple(infos), s.locked), params._values)
+
+
+def _without_marks(params: Params, keys: Any = None) -> Params:
+    """`params` without the marks (of the paths in `keys`, default all)."""
+    s = params._struct
+    infos = []
+    changed = False
+    for key, info in zip(s.keys, s.infos, strict=True):
+        if (keys is None or key in keys) and _mark_of(info) is not None:
+            meta = _thaw(info[1])
+            del meta[MARK]
+            info = _make_info(info[0], meta, format_path(key))
+            changed = True
+        infos.append(info)
+    if not changed:
+        return params
+    return Params._make(_Structure(s.keys, tuple(infos), s.locked), params._values)
+
+
+# ---------------------------------------------------------------------------
+# The per-layer gather
+# ---------------------------------------------------------------------------
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _prefix(fn: Any, under: Any) -> Path:
+    if under is None:
+        owner = fn if isinstance(fn, Module) else getattr(fn, "__self__", None)
+        if not isinstance(owner, Module):
+            raise TypeError(
+                f"fsdp_call: cannot tell which parameters {getattr(fn, '__name__', fn)!r} uses. "
+                "Pass a blox Module (or one of its methods), or under=<path prefix>, e.g. "
+                "bp.fsdp_call(fn, params, x, under=('net', 'block_0'))."
+            )
+        return owner.graph.path
+    if isinstance(under, str):
+        return tuple(p for p in under.split("/") if p)
+    if isinstance(under, tuple) and all(isinstance(p, str) for p in under):
+        return under
+    raise TypeError(f"fsdp_call: under must be a path tuple or a 'a/b' string, got {under!r}.")
+
+
+def fsdp_call(
+    fn: Callable[..., tuple[Any, Params]],
+    params: Params,
+    *args: Any,
+    under: Path | str | None = None,
+    remat: bool = True,
+    gather_after: Any = None,
+    **kwargs: Any,
+) -> tuple[Any, Params]:
+    """Calls ``fn(params, *args, **kwargs)`` with the weights under `under` all-gathered
+    over the data axis just before the call and dropped after (inside the FSDP step).
+
+    The params handed to an FSDP loss function (by `fsdp_value_and_grad`) hold local
+    shards of the large trainable leaves, marked ``metadata['fsdp'] = (axis, dim)``.
+    ``fsdp_call`` gathers the marked leaves whose path starts with `under` (one
+    ``all_gather`` each), runs `fn` on the full weights, and returns `fn`'s output and
+    params with the shards back in place. With `remat` (default) only the shards and the
+    inputs are kept for the backward, which gathers the weights again (one more
+    ``all_gather``), recomputes the layer and reduce-scatters the weights' gradients (the
+    transpose of the gather), so the gradient of each shard arrives summed over the data
+    axis and no full weight outlives its layer. Outside an FSDP step
+    (no marked leaf under `under`) it is exactly ``fn(params, *args, **kwargs)``, so one
+    model serves DP, FSDP and one device.
+
+    Args:
+      fn: a blox `Module` or one of its methods (then `under` defaults to the module's
+        path), or any ``(params, *args) -> (out, params)``.
+      params: the params the loss function received.
+      *args: passed to `fn`; array leaves are traced, other leaves are static.
+      under: the path prefix of the weights `fn` uses (a tuple or ``'a/b'``).
+      remat: ``True``: keep only the shards and the inputs for the backward, which
+        gathers the weights again and recomputes the layer (one more forward per layer);
+        ``False``: keep the layer's residuals, full weights included, until the backward
+        (faster, but the full weights of every layer live at the peak).
+      gather_after: prefetch. By default the gather waits for this call's array
+        arguments, so it runs just before the layer (XLA cannot hoist every layer's
+        gather to the start). Pass arrays available earlier, e.g. the previous layer's
+        input, and the gather may overlap the previous layer, at the memory of one more
+        layer's full weights.
+      **kwargs: passed to `fn` (same rule as `args`).
+
+    Returns:
+      ``(out, params)`` as `fn` returns them; the gathered leaves are the local shards
+      again, `fn`'s updates to non-trainable state are kept.
+
+    Raises:
+      TypeError: `fn` is not a Module method and `under` is not given.
+
+    >>> import jax, jax.numpy as jnp, blox as bx
+    >>> from blox import parallel as bp
+    >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng'); fc = bx.Linear(g / 'fc', 4, rng)
+    >>> params = fc(rng.seed(bx.Params(), seed=0), jnp.ones((2, 3)))[1].locked()
+    >>> y, _ = bp.fsdp_call(fc, params, jnp.ones((2, 3)))   # no FSDP marks: a plain call
+    >>> y.shape
+    (2, 4)
+    """
+    prefix = _prefix(fn, under)
+    if not isinstance(params, Params):
+        raise TypeError(f"fsdp_call: params must be bx.Params, got {type(params).__name__}.")
+    s = params._struct
+    n = len(prefix)
+    idx = [
+        i
+        for i, (k, info) in enumerate(zip(s.keys, s.infos, strict=True))
+        if k[:n] == prefix and _mark_of(info) is not None
+    ]
+    if not idx:
+        return fn(params, *args, **kwargs)
+    marks = [_mark_of(s.infos[i]) for i in idx]
+    for i, (axis, _) in zip(idx, marks, strict=True):
+        check_axis(axis, f"fsdp_call (gathering '{format_path(s.keys[i])}')")
+    marked = {s.keys[i]: m for i, m in zip(idx, marks, strict=True)}
+    plain = _without_marks(params, marked)  # the other layers' shards keep their marks
+    flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    traced = [i for i, x in enumerate(flat) if _is_array(x)]
+
+    def call(full, values, dyn):
+        """`fn` on the full weights; its params come back without the full weights."""
+        leaves = list(flat)
+        for i, x in zip(traced, dyn, strict=True):
+            leaves[i] = x
+        a, kw = jax.tree_util.tree_unflatten(treedef, leaves)
+        vals = list(values)
+        for i, x in zip(idx, full, strict=True):
+            vals[i] = x
+        out, new = fn(Params._make(plain._struct, tuple(vals)), *a, **kw)
+        if not isinstance(new, Params):
+            raise TypeError(
+                f"fsdp_call: {getattr(fn, '__name__', fn)!r} must return (out, params); got a "
+                f"second element of type {type(new).__name__}."
+            )
+        where = new._struct.index
+        new_vals = list(new._values)
+        for i in idx:
+            j = where.get(s.keys[i])
+            if j is not None:
+                new_vals[j] = None  # the shard goes back in below
+        return out, Params._make(new._struct, tuple(new_vals))
+
+    def gather(shards, after):
+        # A zero-valued dependency on `after` (the layer's inputs in the forward, the
+        # incoming cotangent in the backward) makes the gather run when the step reaches
+        # this layer: XLA can neither hoist it (all layers' full weights alive at once)
+        # nor merge the backward's gather with the forward's (the CPU pipeline drops
+        # optimization barriers before common-subexpression elimination).
+        leaves = [c for c in jax.tree.leaves(after) if jnp.issubdtype(c.dtype, jnp.inexact)]
+        if leaves:
+            first = jnp.real(leaves[0].ravel()[0]).astype(jnp.float32)
+            dep = jnp.minimum(jnp.abs(first), jnp.zeros((), jnp.float32))  # 0 (NaN stays)
+            shards = tuple(x + dep.astype(x.dtype) for x in shards)
+        return tuple(
+            jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+            for x, (axis, dim) in zip(shards, marks, strict=True)
+        )
+
+    def scatter(grads):
+        return tuple(
+            jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+            for g, (axis, dim) in zip(grads, marks, strict=True)
+        )
+
+    if remat:
+
+        @jax.custom_vjp
+        def run(shards, values, dyn, after):
+            return call(gather(shards, after or dyn), values, dyn)
+
+        def run_fwd(shards, values, dyn, after):
+            # Residuals: the shards and the inputs only; the full weights die here.
+            out = call(gather(shards, after or dyn), values, dyn)
+            return out, (shards, values, dyn, after)
+
+        def run_bwd(res, ct):
+            shards, values, dyn, after = res
+            _, vjp = jax.vjp(call, gather(shards, ct[0]), values, dyn)
+            g_full, g_values, g_dyn = vjp(ct)
+            return scatter(g_full), g_values, g_dyn, [jnp.zeros_like(a) for a in after]
+
+        run.defvjp(run_fwd, run_bwd)
+    else:
+
+        def run(shards, values, dyn, after):
+            return call(gather(shards, after or dyn), values, dyn)
+
+    shards = tuple(params._values[i] for i in idx)
+    others = tuple(None if i in idx else v for i, v in enumerate(params._values))
+    after = [
+        a
+        for a in jax.tree.leaves(gather_after)
+        if _is_array(a) and jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+    ]
+    out, new = run(shards, others, [flat[i] for i in traced], after)
+    where = new._struct.index
+    new_vals = list(new._values)
+    for i, x in zip(idx, shards, strict=True):
+        j = where.get(s.keys[i])
+        if j is not None:
+            new_vals[j] = x
+    new = Params._make(new._struct, tuple(new_vals))
+    return out, _with_marks(new, {k: marked[k] for k in new.keys() if k in marked})
+
+
+# ---------------------------------------------------------------------------
+# Gradients inside the shard_map
+# ---------------------------------------------------------------------------
+
+
+def fsdp_value_and_grad(
+    loss_fn: Callable[..., Any],
+    specs: Params,
+    *,
+    axis: str = "data",
+    microbatches: int = 1,
+    gather: str = "per_layer",
+    has_aux: bool = False,
+    predicate: Callable[[Path, Any], bool] | None = None,
+    rngs: Sequence[Rng] = (),
+) -> Callable[..., Any]:
+    """FSDP gradients, to call **inside** ``jax.shard_map`` with the params sharded by
+    `specs` (`fsdp_specs`): the gradients leave sharded like the params, summed over the
+    data axis, as the global-batch gradient of `dp_value_and_grad`.
+
+    ``loss_fn(params, *batch)`` returns ``(loss, params)`` (or ``((loss, aux), params)``
+    with `has_aux`) and calls each layer through `fsdp_call`::
+
+        def loss_fn(params, x, y):
+            for block in blocks:
+                x, params = bp.fsdp_call(block, params, x)   # gather, call, drop
+            return jnp.mean((x - y) ** 2), params
+
+    The result ``f(params, *batch)`` gives ``loss, grads, params`` (``(loss, aux), grads,
+    params`` with `has_aux`) with the loss and aux averaged (weighted by
+    ``aux['weight']``) over all shards and microbatches, as `dp_value_and_grad`.
+
+    Gathers (`gather`):
+
+    * ``'per_layer'`` (ZeRO-3): `loss_fn` receives local shards, marked; each `fsdp_call`
+      gathers one layer forward and again backward, and autodiff reduce-scatters its
+      gradient, once per microbatch. Memory: the shards plus about one layer's full
+      weights.
+    * ``'per_step'``: every sharded leaf is gathered once at the start, the microbatch
+      gradients are accumulated locally in full, and each is reduce-scattered once per
+      step (`fsdp_call` is then a plain call). Fewer collectives with many microbatches,
+      at the memory of full weights and a full gradient accumulator during the step.
+
+    Replicated leaves (small, or without a divisible dimension) get local gradients and
+    one all-reduce per step, with the loss and the metrics.
+
+    Args:
+      loss_fn: as above.
+      specs: the params' ``PartitionSpec`` tree (`fsdp_specs`); leaves sharded over
+        `axis` are the FSDP shards.
+      axis: the data axis (bound by the enclosing ``shard_map``).
+      microbatches: gradient accumulation steps, run in a ``jax.lax.scan``.
+      gather: ``'per_layer'`` or ``'per_step'`` (see above).
+      has_aux: `loss_fn` returns aux.
+      predicate: ``(path, Param) -> bool``: the trained params (default: trainable).
+      rngs: `Rng` modules whose seeds are folded with the data index (`fold_seeds`).
+
+    Returns:
+      ``f(params, *batch)``; ``grads`` holds local shards of the sharded leaves (leave the
+      ``shard_map`` with `specs` as out_specs) and the replicated gradients of the rest.
+
+    Raises:
+      ValueError: `axis` not bound, an unknown `gather`, a batch not divisible by
+        `microbatches`, a data axis that is not the last name of its spec entry.
+    """
+    where = "fsdp_value_and_grad"
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"{where}: microbatches must be an int >= 1, got {microbatches!r}.")
+    if gather not in _GATHER_MODES:
+        raise ValueError(
+            f"{where}: gather must be one of {_GATHER_MODES}, got {gather!r}. 'per_layer' "
+            "gathers each layer in fsdp_call (ZeRO-3 memory); 'per_step' gathers everything "
+            "once and reduce-scatters once per step."
+        )
+    if not isinstance(specs, Params):
+        raise TypeError(
+            f"{where}: specs must be the Params of PartitionSpec from fsdp_specs, got "
+            f"{type(specs).__name__}."
+        )
+    if not isinstance(axis, str):
+        raise TypeError(f"{where}: axis must be one mesh-axis name, got {axis!r}.")
+    dims_all = _sharded_dims(specs, axis, where)
+
+    def f(params: Params, *batch: Any):
+        (name,) = check_axis(axis, where)
+        if not isinstance(params, Params):
+            raise TypeError(
+                f"{where}: the first argument must be bx.Params, got {type(params).__name__}."
+            )
+        missing = [format_path(k) for k in params.keys() if k not in specs]
+        if missing:
+            raise ValueError(
+                f"{where}: specs have no entry for {missing[:5]}. Build them from these "
+                "params: bp.fsdp_specs(jax.eval_shape(init), mesh)."
+            )
+        k = microbatches
+        size = jax.lax.axis_size(name)
+        params, seeds = fold_seeds(params, rngs, (name,))
+        trainable, rest = params.split(predicate)
+        dims = {key: d for key, d in dims_all.items() if key in trainable}
+        if gather == "per_step":
+            values = tuple(
+                jax.lax.all_gather(v, name, axis=dims[key], tiled=True) if key in dims else v
+                for key, v in zip(trainable.keys(), trainable._values, strict=True)
+            )
+            trainable_v = _to_varying(Params._make(trainable._struct, values), (name,))
+        else:
+            trainable_v = _with_marks(
+                _to_varying(trainable, (name,)), {key: (name, d) for key, d in dims.items()}
+            )
+
+        def one(nt, mb):
+            def inner(t):
+                loss, aux, new = _unpack(loss_fn(t.merge(nt), *mb), has_aux, where)
+                w = _weight(aux, loss)
+                if w is None:
+                    scaled = loss / jnp.asarray(k * size, loss.dtype)
+                else:
+                    w = jax.lax.stop_gradient(w)
+                    scaled = jnp.where(w > 0, loss * w, jnp.zeros((), loss.dtype))
+                return scaled, (loss, aux, w, _without_marks(new.split(predicate)[1]))
+
+            grads, (loss, aux, w, new_nt) = jax.grad(inner, has_aux=True)(trainable_v)
+            grads = Params._make(trainable._struct, grads._values)
+            if w is None:
+                terms = (loss / jnp.asarray(k * size, loss.dtype), _aux_terms(aux, None, k * size))
+            else:
+                terms = (
+                    jnp.where(w > 0, loss * w, jnp.zeros((), loss.dtype)),
+                    _aux_terms(aux, w, k * size),
+                )
+            return (grads, terms, w), new_nt
+
+        if k == 1:
+            sums, rest = one(rest, batch)
+        else:
+            micro = split_batch(batch, k, where=where)
+            first = jax.tree.map(lambda x: x[0], micro)
+            for _ in range(3):
+                out = jax.eval_shape(one, rest, first)
+                promote = jax.tree.map(
+                    lambda r, o: bool(varying_axes(o) - varying_axes(r)), rest, out[1]
+                )
+                if not any(jax.tree.leaves(promote)):
+                    break
+                rest = jax.tree.map(lambda r, p: _to_varying(r, (name,)) if p else r, rest, promote)
+            zeros = jax.tree.map(
+                lambda s: _to_varying(jnp.zeros(s.shape, s.dtype), tuple(varying_axes(s))),
+                out[0],
+            )
+
+            def body(carry, mb):
+                acc, nt = carry
+                new, nt = one(nt, mb)
+                return (jax.tree.map(jnp.add, acc, new), nt), None
+
+            (sums, rest), _ = jax.lax.scan(body, (zeros, rest), micro)
+
+        grads, (loss, aux), w = sums
+        keys = grads.keys()
+        reduced = [g for key, g in zip(keys, grads._values, strict=True) if key not in dims]
+        # One all-reduce: the replicated leaves' gradients, the loss, metrics and weight.
+        reduced, loss, aux, w = jax.lax.psum((reduced, loss, aux, w), name)
+        it = iter(reduced)
+        values = []
+        for key, g in zip(keys, grads._values, strict=True):
+            if key not in dims:
+                values.append(next(it))
+            elif gather == "per_step":  # the one reduce-scatter of this leaf per step
+                values.append(
+                    jax.lax.psum_scatter(g, name, scatter_dimension=dims[key], tiled=True)
+                )
+            else:  # already reduce-scattered by the transpose of fsdp_call's gather
+                values.append(g)
+        grads = Params._make(grads._struct, tuple(values))
+        if w is not None:
+            denom = jnp.where(w > 0, w, jnp.ones((), w.dtype))
+            grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
+            loss = loss / denom.astype(loss.dtype)
+            aux = _aux_finish(aux, denom, w)
+        rest = restore_seeds(rest, seeds)
+        rest = _settle_state(rest, (name,), where)
+        return ((loss, aux) if has_aux else loss), grads, trainable.merge(rest)
+
+    return f
+
+
+# ---------------------------------------------------------------------------
+# The train step
+# ---------------------------------------------------------------------------
+
+
+def make_fsdp_train_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    specs: Params,
+    *,
+    axis: str = "data",
+    microbatches: int = 1,
+    gather: str = "per_layer",
+    has_aux: bool = False,
+    batch_spec: PartitionSpec | None = None,
+    rngs: Sequence[Rng] = (),
+    predicate: Callable[[Path, Any], bool] | None = None,
+    grad_norm: bool = False,
+) -> Callable[..., Any]:
+    """Builds ``step(params, opt_state, *batch) -> (params, opt_state, metrics)`` for a
+    fully sharded data-parallel step (FSDP, or FSDP x TP with TP axes in `specs`); the
+    user jits it (``jax.jit(step, donate_argnums=(0, 1))``).
+
+    What it does, in plain JAX (as `make_dp_train_step`):
+
+    1. Checks that the global batch divides by ``mesh.shape[axis] * microbatches``.
+    2. ``jax.shard_map`` over `mesh`: batch over `axis`, params with `specs`;
+       `fsdp_value_and_grad` gives gradients sharded as the params.
+    3. Outside the ``shard_map``, ``tx.update`` and ``optax.apply_updates`` on the
+       sharded arrays: each device updates its shards (Adam's moments are sharded by
+       `opt_state_shardings` with the same specs), and what needs a global value, such as
+       ``optax.clip_by_global_norm``, reduces over the shards (a scalar all-reduce), so
+       it equals the unsharded transformation.
+
+    Args:
+      loss_fn: ``(params, *batch) -> (loss, params)`` calling layers via `fsdp_call`.
+      tx: the Optax transformation; its state built with `opt_state_shardings(...,
+        specs, mesh)`.
+      mesh: the device mesh; `axis` must be one of its axes.
+      specs: from `fsdp_specs`; the params passed in must have these shardings.
+      axis: the data axis.
+      microbatches: gradient accumulation steps inside each shard.
+      gather: ``'per_layer'`` or ``'per_step'`` (see `fsdp_value_and_grad`).
+      has_aux: `loss_fn` returns aux (``aux['weight']`` weights the mean).
+      batch_spec: the spec of every batch leaf (default ``P(axis)``).
+      rngs: `Rng` modules whose seeds are folded with the data-axis index.
+      predicate: ``(path, Param) -> bool``: which params are trained.
+      grad_norm: add ``metrics['grad_norm']``, the global norm of the gradient (over all
+        shards; equal to ``optax.tree.norm`` of the unsharded gradient).
+
+    Returns:
+      ``step``; ``metrics`` holds ``'loss'``, the aux dict's entries and ``'grad_norm'``.
+
+    Raises:
+      ValueError: `axis` not in the mesh; a batch not divisible by data x microbatches.
+    """
+    where = "make_fsdp_train_step"
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"{where}: data axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}. "
+            f"Pass axis=<one of {tuple(mesh.axis_names)}>."
+        )
+    dp = mesh.shape[axis]
+    bspec = PartitionSpec(axis) if batch_spec is None else batch_spec
+    grad_fn = fsdp_value_and_grad(
+        loss_fn,
+        specs,
+        axis=axis,
+        microbatches=microbatches,
+        gather=gather,
+        has_aux=has_aux,
+        predicate=predicate,
+        rngs=rngs,
+    )
+
+    def step(params: Params, opt_state: Any, *batch: Any):
+        if not isinstance(params, Params):
+            raise TypeError(f"{where}: params must be bx.Params, got {type(params).__name__}.")
+        for kp, leaf in jax.tree_util.tree_leaves_with_path(batch):
+            shape = tuple(jnp.shape(leaf))
+            if not shape or shape[0] % (dp * microbatches):
+                rows = "a scalar" if not shape else f"{shape[0]} rows"
+                raise ValueError(
+                    f"{where}: batch leaf {jax.tree_util.keystr(kp)} of shape {shape} has "
+                    f"{rows}, not divisible by data-parallel size {dp} x microbatches "
+                    f"{microbatches} = {dp * microbatches}. Use a global batch that is a "
+                    f"multiple of {dp * microbatches} (or drop the remainder)."
+                )
+        trainable, _ = params.split(predicate)
+        t_specs, _ = specs.split(lambda p, _: p in trainable)
+        batch = tuple(jax.tree.map(lambda x: constrain(x, mesh, bspec), b) for b in batch)
+        in_specs = (specs, *(jax.tree.map(lambda _: bspec, b) for b in batch))
+        out_specs = (PartitionSpec(), t_specs, specs)
+        value, grads, params = jax.shard_map(
+            grad_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs
+        )(params, *batch)
+        trainable, rest = params.split(predicate)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        params = optax.apply_updates(trainable, updates).merge(rest)
+        if has_aux:
+            loss, aux = value
+            metrics = {"loss": loss, **aux} if isinstance(aux, dict) else {"loss": loss, "aux": aux}
+        else:
+            metrics = {"loss": value}
+        if grad_norm:
+            metrics["grad_norm"] = optax.tree.norm(grads)
+        return params, opt_state, metrics
+
+    return step
+
+
+def bytes_per_device(tree: Any) -> int:
+    """The bytes one device holds of the arrays in `tree`, read from their shardings:
+    the sum over leaves of the shard shape's size times the item size (the largest such
+    sum over devices; shards of a ``NamedSharding`` have one shape).
+
+    Args:
+      tree: a pytree of ``jax.Array`` (params, optimizer state) or of
+        ``jax.ShapeDtypeStruct`` with shardings.
+
+    Returns:
+      The byte count (int).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from blox import parallel as bp
+    >>> mesh = bp.make_mesh((8,), ('data',))
+    >>> x = jax.device_put(jnp.zeros((64, 4)), NamedSharding(mesh, P('data')))
+    >>> bp.bytes_per_device({'x': x, 'y': jnp.zeros(3)})
+    140
+    """
+    total = 0
+    for kp, x in jax.tree_util.tree_leaves_with_path(tree):
+        sharding = getattr(x, "sharding", None)
+        shape = tuple(getattr(x, "shape", ()))
+        dtype = getattr(x, "dtype", None)
+        if dtype is None:
+            raise TypeError(
+                f"bytes_per_device: leaf {jax.tree_util.keystr(kp)} is a {type(x).__name__}, "
+                "not an array."
+            )
+        local = sharding.shard_shape(shape) if sharding is not None else shape
+        total += math.prod(local) * jnp.dtype(dtype).itemsize
+    return total
