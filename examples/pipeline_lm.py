@@ -4,6 +4,7 @@
     python examples/pipeline_lm.py --schedule gpipe             # GPipe: the same losses
     python examples/pipeline_lm.py --schedule none              # one device, no pipeline
     python examples/pipeline_lm.py --data-parallel 2            # data 2 x stage 4 mesh
+    python examples/pipeline_lm.py --data-parallel 2 --stages 2 --tensor-parallel 2  # 3-D
     python examples/pipeline_lm.py --size tiny --steps 3        # seconds (smoke test)
 
 On CPU the script simulates 8 devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``,
@@ -11,14 +12,18 @@ set before JAX starts unless XLA_FLAGS already sets a count).
 
 The model is the one of ``examples/gpt_tp.py`` cut into stages: token embedding (stage 0,
 `first_fn`) -> P stages of identical pre-norm `blox.TransformerBlock`\\ s (RoPE, causal;
-``layers`` blocks per stage, `stage_fn`) -> final LayerNorm and the tied embedding as the
-output head, with the mean cross-entropy (stage P - 1, `last_fn`). The P stages' params
-are one block initialized P times (seeds ``seed * 1000 + s``) and stacked along a leading
-stage dimension (`blox.parallel.stack_stages`), sharded over the ``stage`` mesh axis; the
-embedding and the final norm (``shared``) are replicated. ``--schedule gpipe|1f1b``
+4 blocks in all, 4 / P per stage, `stage_fn`) -> final LayerNorm and the tied embedding as the
+output head, with the mean cross-entropy (stage P - 1, `last_fn`). Each block is
+initialized alone (seed ``seed * 1000 + b`` for block ``b``), so the model is the same on
+every mesh; the P stages' params are stacked along a leading stage dimension
+(`blox.parallel.stack_stages`), sharded over the ``stage`` mesh axis; the embedding and the
+final norm (``shared``) are replicated. ``--schedule gpipe|1f1b``
 builds the step with `blox.parallel.pipeline_value_and_grad` on a ``data`` x ``stage``
-mesh of D x P devices (the global batch split over ``data``, each data row split into
-``--microbatches M`` microbatches); ``--schedule none`` runs the same stacked params
+x ``model`` mesh of D x P x T devices (the global batch split over ``data``, each data
+row split into ``--microbatches M`` microbatches; with ``--tensor-parallel T`` > 1 each
+stage's blocks are `blox.parallel.ParallelTransformerBlock`\\ s whose heads and MLP
+columns are split over ``model``, laid out by ``bp.transformer_tp_rules()`` passed as
+``stage_specs``: the same params, the same math); ``--schedule none`` runs the same stacked params
 stage after stage on one device with ``jax.value_and_grad`` of the full batch (the mean
 of M equal microbatch means is the full-batch mean). The gradients go to one
 ``optax.adamw`` update in every case, so the three print the same losses (to about 1e-6).
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import inspect
 import os
@@ -59,9 +65,9 @@ from blox import parallel as bp  # noqa: E402
 MODULES = ["textwrap", "string", "bisect", "heapq", "fractions", "difflib"]
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 SIZES = {
-    # name: (width, layers per stage, heads, context, global batch, steps, learning rate)
-    "tiny": (32, 1, 4, 16, 16, 5, 3e-3),
-    "default": (128, 1, 8, 64, 32, 200, 3e-3),
+    # name: (width, transformer blocks in all, heads, context, global batch, steps, lr)
+    "tiny": (32, 4, 4, 16, 16, 5, 3e-3),
+    "default": (128, 4, 8, 64, 32, 200, 3e-3),
 }
 
 
@@ -81,11 +87,11 @@ class Stage(bx.Module):
     """One pipeline stage: ``layers`` pre-norm transformer blocks (RoPE, causal);
     ``(B, T, D) -> (B, T, D)``."""
 
-    def __init__(self, graph, width, layers, heads, rng):
+    def __init__(self, graph, width, layers, heads, rng, parallel=False):
         super().__init__(graph)
+        block = bp.ParallelTransformerBlock if parallel else bx.TransformerBlock
         self.blocks = [
-            bx.TransformerBlock(graph / f"block_{i}", width, heads, rng, use_rope=True)
-            for i in range(layers)
+            block(graph / f"block_{i}", width, heads, rng, use_rope=True) for i in range(layers)
         ]
 
     def __call__(self, params, h):
@@ -94,16 +100,24 @@ class Stage(bx.Module):
         return h, params
 
 
-def build(width: int, layers: int, heads: int, context: int, stages: int, seed: int):
+def build(
+    width: int, blocks: int, heads: int, context: int, stages: int, seed: int, parallel=False
+):
     """The model's three functions and its initial ``(stage_params, shared_params)``:
-    stage params stacked ``(P, ...)``, shared params (embedding, final norm) replicated."""
+    stage params stacked ``(P, ...)``, shared params (embedding, final norm) replicated.
+
+    The model does not depend on the mesh: `blocks` transformer blocks in all, block ``b``
+    initialized alone with seed ``seed * 1000 + b``; stage ``s`` runs blocks ``s k`` to
+    ``s k + k - 1`` (``k = blocks / stages``, as its ``block_0 .. block_{k-1}``).
+    `parallel`: the stage's blocks are tensor-parallel (the same params, run inside the
+    pipeline's ``shard_map`` with the ``model`` axis bound)."""
+    k = blocks // stages
     g = bx.Graph("lm")
     rng = bx.Rng(g / "rng")
     embed = bx.Embed(g / "embed", len(CHARS), width, rng)
     final_norm = bx.LayerNorm(g / "final_norm")
     sg = bx.Graph("stage")
-    srng = bx.Rng(sg / "rng")
-    stage = Stage(sg / "body", width, layers, heads, srng)
+    stage = Stage(sg / "body", width, k, heads, bx.Rng(sg / "rng"), parallel=parallel)
 
     def first_fn(params, tokens):
         return embed(params, tokens)
@@ -124,13 +138,28 @@ def build(width: int, layers: int, heads: int, context: int, stages: int, seed: 
         h, shared = first_fn(rng.seed(bx.Params(), seed=seed), tokens)
         return last_fn(shared, h, tokens)[1].locked()
 
-    @jax.jit
-    def init_stage(stage_seed):  # one compile for the P stages
-        h = jnp.zeros((1, context, width), jnp.float32)
-        return stage_fn(srng.seed(bx.Params(), seed=stage_seed), h)[1].locked()
+    def block_init(j):
+        """Jitted init of one block at the path of a stage's ``block_j``."""
+        bg = bx.Graph("stage")
+        brng = bx.Rng(bg / "rng")
+        one = bx.TransformerBlock(bg / "body" / f"block_{j}", width, heads, brng, use_rope=True)
+
+        @jax.jit
+        def init(block_seed):  # one compile for the P stages
+            h = jnp.zeros((1, context, width), jnp.float32)
+            return one(brng.seed(bx.Params(), seed=block_seed), h, is_causal=True)[1].locked()
+
+        return init
 
     def init():
-        per_stage = [init_stage(jnp.int32(seed * 1000 + s)) for s in range(stages)]
+        inits = [block_init(j) for j in range(k)]
+        per_stage = [
+            functools.reduce(
+                lambda a, b: a.merge(b),
+                [inits[j](jnp.int32(seed * 1000 + s * k + j)) for j in range(k)],
+            )
+            for s in range(stages)
+        ]
         return bp.stack_stages(per_stage), init_shared()
 
     return first_fn, stage_fn, last_fn, init
@@ -171,18 +200,28 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--stages", type=int, default=4, help="P, pipeline stages (devices)")
     parser.add_argument("--microbatches", type=int, default=None, help="M (default 2 P)")
     parser.add_argument("--data-parallel", type=int, default=1, help="D, data-parallel rows")
+    parser.add_argument(
+        "--tensor-parallel", type=int, default=1, help="T, the model axis (TP inside stages)"
+    )
     args = parser.parse_args(argv)
     width, layers, heads, context, batch, steps, lr = SIZES[args.size]
     steps = args.steps if args.steps is not None else steps
-    p, d = args.stages, args.data_parallel
+    p, d, tp = args.stages, args.data_parallel, args.tensor_parallel
     m = args.microbatches if args.microbatches is not None else 2 * p
-    if p < 1 or d < 1 or m < 1 or steps < 0:
-        parser.error("--stages, --data-parallel and --microbatches must be >= 1, --steps >= 0")
-    if args.schedule != "none" and p * d > jax.device_count():
+    if p < 1 or d < 1 or tp < 1 or m < 1 or steps < 0:
         parser.error(
-            f"--stages {p} x --data-parallel {d} needs {p * d} devices; there are "
-            f"{jax.device_count()}"
+            "--stages, --data-parallel, --tensor-parallel and --microbatches must be >= 1, "
+            "--steps >= 0"
         )
+    if args.schedule != "none" and p * d * tp > jax.device_count():
+        parser.error(
+            f"--stages {p} x --data-parallel {d} x --tensor-parallel {tp} needs {p * d * tp} "
+            f"devices; there are {jax.device_count()}"
+        )
+    if layers % p:
+        parser.error(f"--stages {p} must divide the {layers} blocks of --size {args.size}")
+    if heads % tp:
+        parser.error(f"--tensor-parallel {tp} must divide the {heads} heads of --size {args.size}")
     if args.schedule == "1f1b" and m < p:
         parser.error(f"1F1B needs --microbatches >= --stages ({p}); got {m} (or use gpipe)")
     if batch % (m * d):
@@ -192,7 +231,10 @@ def main(argv: list[str] | None = None) -> list[float]:
         )
 
     data = load_tokens()
-    first_fn, stage_fn, last_fn, init = build(width, layers, heads, context, p, args.seed)
+    parallel = args.schedule != "none" and tp > 1
+    first_fn, stage_fn, last_fn, init = build(
+        width, layers, heads, context, p, args.seed, parallel=parallel
+    )
     tx = optax.adamw(lr, weight_decay=0.01)
 
     if args.schedule == "none":
@@ -201,8 +243,15 @@ def main(argv: list[str] | None = None) -> list[float]:
         stage_params, shared = init()
         put_batch = jnp.asarray
     else:
-        mesh = bp.make_mesh((d, p), ("data", "stage"), devices=jax.devices()[: d * p])
+        mesh = bp.make_mesh(
+            (d, p, tp), ("data", "stage", "model"), devices=jax.devices()[: d * p * tp]
+        )
         print(bp.describe_mesh(mesh), flush=True)
+        stage_params, shared = init()
+        # One stage's layout (TP: heads and MLP columns over 'model'; else replicated).
+        rules = bp.transformer_tp_rules() if parallel else []
+        one_stage = jax.tree.map(lambda v: v[0], stage_params)
+        specs = bp.param_specs(one_stage, rules, mesh, replicate_rest=True)
         grad_fn = bp.pipeline_value_and_grad(
             stage_fn,
             last_fn,
@@ -212,11 +261,15 @@ def main(argv: list[str] | None = None) -> list[float]:
             first_fn=first_fn,
             stage_axis="stage",
             data_axis="data",
+            stage_specs=specs,
         )
         print(bp.gpipe_schedule(p, m) if args.schedule == "gpipe" else
               bp.one_f_one_b_schedule(p, m), flush=True)  # fmt: skip
-        stage_sharding = NamedSharding(mesh, P("stage"))
-        stage_params, shared = jax.device_put(init(), (stage_sharding, NamedSharding(mesh, P())))
+        stage_shardings = jax.tree.map(
+            lambda spec: NamedSharding(mesh, P("stage", *(spec or ()))), specs
+        )
+        stage_params = jax.device_put(stage_params, stage_shardings)
+        shared = jax.device_put(shared, NamedSharding(mesh, P()))
         batch_sharding = NamedSharding(mesh, P("data"))
 
         def put_batch(a):

@@ -1,38 +1,49 @@
 """Pipeline parallelism: p stages over a mesh axis, m microbatches, run slot by slot
-after a static `Schedule` (GPipe or 1F1B) with ``jax.shard_map`` + ``lax.ppermute``.
+after a static `Schedule` table (GPipe, 1F1B or yours) with ``jax.shard_map`` +
+``lax.ppermute``.
 
-The runtime is one ``lax.scan`` over the schedule's time slots. In each slot every
-stage looks up its cell of the table and runs one of three branches (``lax.switch``):
+The runtime, top to bottom:
 
-* forward of microbatch ``i``: take the activation from the forward inbox (stage 0: run
-  `first_fn` on the inputs), run the stage under ``jax.vjp``, stash the VJP residuals in
-  slot ``i % S`` of a fixed-size ring buffer, send the output to stage ``s + 1``
-  (the last stage runs `last_fn` and accumulates the loss instead);
-* backward of microbatch ``i``: rebuild the VJP from the stashed residuals and the
-  current params, pull back the cotangent from the backward inbox, accumulate the
-  parameter gradients, send the input cotangent to stage ``s - 1``;
-* idle.
+* `pipeline_value_and_grad` resolves the schedule and returns ``step``, a
+  ``jax.shard_map`` (``check_vma=True``) of `_pipeline_body` over the whole mesh.
+* `_pipeline_body` (one device) probes the stage's VJP once (`_residual_layout`): which
+  residuals depend on the activation or the stage's state (stashed per microbatch) and
+  which only on the params (computed once per step, `_param_residuals`). It allocates the
+  ring buffers (`_Buffers`: stash, forward inbox, backward inbox) and runs one
+  ``lax.scan`` of `_slot` over the table's time slots; then it reduces loss and gradients
+  (``psum`` over the stage axis for the shared params, ``pmean`` over the data axis).
+* `_slot` (one time slot): reads this stage's cell of the table, reads the microbatch's
+  entries of the buffers (``dynamic_slice``), runs the cell (`_forward_cell`,
+  `_backward_cell` or `_idle_cell`, a ``lax.switch`` whose operands are all of one
+  microbatch's size), writes the cell's outputs back at the top level
+  (``dynamic_update_slice``), and moves the activation one stage forward and the
+  cotangent one stage backward (two ``ppermute``\\ s). No buffer whose size grows with
+  ``m`` is an operand of a conditional, so a slot costs the same at any ``m``.
 
-Then two ``ppermute``\\ s move the activation forward and the cotangent backward one
-stage. The stash has ``S = schedule.buffer_sizes()['stash']`` slots: ``m`` for GPipe,
-``p`` for 1F1B, which is what bounds 1F1B's live activations (check it with
-``jax.jit(step).lower(...).compile().memory_analysis().temp_size_in_bytes``).
+What is stashed between a microbatch's forward and its backward: the stage's VJP
+residuals that depend on its input activation or its non-trainable state (with
+``remat=True``: only the stage input and what `remat_policy` saves) and the shared state
+``first_fn`` saw. Not stashed: residuals of the params alone (casts for mixed precision,
+transposes), computed once per step; ``last_fn``, which the last stage differentiates in
+its forward slot (it keeps only the cotangent of its output); ``first_fn``, which stage 0
+recomputes in its backward slot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.extend.core import Literal
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from blox.core import Params
 from blox.core._params import format_path
-from blox.parallel._mesh import constrain
-from blox.parallel._schedules import Schedule, schedule_from
+from blox.parallel._mesh import constrain, varying_axes
+from blox.parallel._schedules import BACKWARD, FORWARD, Schedule, schedule_from
 
 __all__ = ["pipeline_value_and_grad", "stack_stages", "unstack_stages"]
 
@@ -81,18 +92,47 @@ def stack_stages(stages: list[Params]) -> Params:
 
 
 def unstack_stages(stacked: Params) -> list[Params]:
-    """The inverse of `stack_stages`: ``p`` Params, one per stage (concrete arrays are
-    gathered to the host first, so stage-sharded arrays of any mesh can be split)."""
+    """The inverse of `stack_stages`: ``p`` Params, one per stage.
+
+    Concrete arrays are split on their devices by one jitted indexing (no transfer to the
+    host), so stage-sharded arrays of any mesh split, also when the mesh spans several
+    processes (every process calls it, as any computation on a global array); each
+    returned leaf is then replicated over the input's mesh, so every process can read it
+    (``np.asarray``). Traced arrays are indexed in place.
+
+    Args:
+      stacked: Params whose leaves have a leading stage dimension ``p`` (as
+        `stack_stages` or `pipeline_value_and_grad` return them).
+
+    Returns:
+      ``p`` Params with leaves ``shape[1:]``.
+
+    Example:
+      >>> import jax.numpy as jnp, blox as bx
+      >>> from blox.parallel import stack_stages, unstack_stages
+      >>> g = bx.Graph('s'); rng = bx.Rng(g / 'rng'); lin = bx.Linear(g / 'fc', 2, rng)
+      >>> def init(seed):
+      ...     return lin(rng.seed(bx.Params(), seed=seed), jnp.zeros((1, 2)))[1]
+      >>> stages = unstack_stages(stack_stages([init(0), init(1)]))
+      >>> len(stages), stages[1]['s', 'fc', 'kernel'].value.shape
+      (2, (2, 2))
+    """
     leaves = jax.tree.leaves(stacked)
     if not leaves:
         return []
     p = leaves[0].shape[0]
 
-    def full(x):
-        return x if isinstance(x, jax.core.Tracer) else jnp.asarray(jax.device_get(x))
+    def split(tree):
+        return [jax.tree.map(lambda x, k=k: x[k], tree) for k in range(p)]
 
-    stacked = jax.tree.map(full, stacked)
-    return [jax.tree.map(lambda x, k=k: x[k], stacked) for k in range(p)]
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return split(stacked)
+    meshes = {x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)}
+    if len(meshes) == 1 and all(isinstance(x.sharding, NamedSharding) for x in leaves):
+        mesh = meshes.pop()
+        whole = lambda t: jax.tree.map(lambda x: constrain(x, mesh, PartitionSpec()), t)  # noqa: E731
+        return jax.jit(lambda t: split(whole(t)))(stacked)
+    return jax.jit(split)(stacked)
 
 
 def _check_out(out: Any, where: str, name: str, args: str) -> tuple[Any, Params]:
@@ -103,35 +143,409 @@ def _check_out(out: Any, where: str, name: str, args: str) -> tuple[Any, Params]
     return out
 
 
-def _split_batch(tree: Any, m: int, what: str) -> Any:
-    def one(kp, x):
-        shape = jnp.shape(x)
-        if not shape or shape[0] % m:
-            raise ValueError(
-                f"pipeline: {what}{jax.tree_util.keystr(kp)} has batch size "
-                f"{shape[0] if shape else '(scalar)'} (local to one data shard), which "
-                f"num_microbatches={m} does not divide; use a batch that is a multiple of "
-                f"{m} (times the data-parallel size), or another num_microbatches."
-            )
-        return jnp.reshape(x, (m, shape[0] // m, *shape[1:]))
-
-    return jax.tree_util.tree_map_with_path(one, tree)
+def _split_batch(tree: Any, m: int) -> Any:
+    """``(b, ...)`` -> ``(m, b / m, ...)`` (divisibility checked by `_check_step_args`)."""
+    return jax.tree.map(lambda x: jnp.reshape(x, (m, x.shape[0] // m, *x.shape[1:])), tree)
 
 
 def _take(tree: Any, i: jax.Array) -> Any:
     return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, i, keepdims=False), tree)
 
 
-def _put(tree: Any, i: jax.Array, values: Any, ok: jax.Array | bool = True) -> Any:
+def _put(tree: Any, i: jax.Array, values: Any, ok: jax.Array | None = None) -> Any:
+    """Writes `values` at index `i` of every buffer (where `ok`, else keeps the entry)."""
+
     def one(b, v):
-        old = lax.dynamic_index_in_dim(b, i, keepdims=False)
-        return lax.dynamic_update_index_in_dim(b, jnp.where(ok, v.astype(b.dtype), old), i, 0)
+        v = v.astype(b.dtype)
+        if ok is not None:
+            v = jnp.where(ok, v, lax.dynamic_index_in_dim(b, i, keepdims=False))
+        return lax.dynamic_update_index_in_dim(b, v, i, 0)
 
     return jax.tree.map(one, tree, values)
 
 
+def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Marks every leaf as varying over `axes` (``lax.pcast``) where it is not yet."""
+
+    def one(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
+
+
 def _zeros(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree)
+    """Zeros of each leaf's shape, dtype and varying axes."""
+    return jax.tree.map(
+        lambda x: _vary(jnp.zeros(jnp.shape(x), x.dtype), tuple(varying_axes(x))), tree
+    )
+
+
+# -- the model's three functions -----------------------------------------------------------
+class _Fns(NamedTuple):
+    """The user's functions, return values checked: ``stage(params, h)``,
+    ``first(params, x)`` (None: identity), ``last(params, h, y)``."""
+
+    stage: Callable[[Params, Any], tuple[Any, Params]]
+    first: Callable[[Params, Any], tuple[Any, Params]] | None
+    last: Callable[[Params, Any, Any], tuple[jax.Array, Params]]
+
+
+def _stage_vjp(fns: _Fns, tr: Params, st: Params, h: Any) -> tuple[Any, Any, Params]:
+    """``(h_out, vjp_fn, new_state)`` of the stage, differentiable in ``(tr, h)``."""
+
+    def f(tr, h):
+        out, new = fns.stage(tr.merge(st), h)
+        return out, new.split()[1]
+
+    return jax.vjp(f, tr, h, has_aux=True)
+
+
+def _first(fns: _Fns, tr_sh: Params, st_sh: Params, x: Any) -> tuple[Any, Params]:
+    """``first_fn`` on stage 0: ``(h, new shared state)``."""
+    if fns.first is None:
+        return x, st_sh
+    h, new = _check_out(fns.first(tr_sh.merge(st_sh), x), "first_fn", "first_fn", "x")
+    return h, new.split()[1]
+
+
+def _last_loss(fns: _Fns, tr_sh: Params, st_sh: Params, h: Any, y: Any, scale: jax.Array):
+    """``(loss * scale, new shared state)`` of ``last_fn``; checks the loss is a float
+    scalar."""
+    loss, new = _check_out(fns.last(tr_sh.merge(st_sh), h, y), "last_fn", "last_fn", "h, y")
+    loss = jnp.asarray(loss)
+    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(
+            f"pipeline_value_and_grad: last_fn must return a floating scalar loss, got "
+            f"{loss.dtype} of shape {loss.shape}; reduce it, e.g. jnp.mean(...)."
+        )
+    return loss * scale.astype(loss.dtype), new.split()[1]
+
+
+# -- what the backward needs: the stage's VJP residuals ---------------------------------------
+class _Layout(NamedTuple):
+    """The stage VJP's closure, probed once: its tree structure, per leaf whether it
+    depends on the activation or the state (``True``: stashed per microbatch; ``False``:
+    a function of the params alone, computed once per step), and the leaves' types."""
+
+    treedef: Any
+    stashed: tuple[bool, ...]
+    avals: tuple[Any, ...]
+
+
+def _residual_layout(fns: _Fns, tr: Params, st: Params, h: Any) -> _Layout:
+    """Traces the stage's VJP (abstractly, ``jax.make_jaxpr``) and follows the data flow
+    from ``(st, h)`` to each residual."""
+    closed, shape = jax.make_jaxpr(
+        lambda tr, st, h: _stage_vjp(fns, tr, st, h)[1], return_shape=True
+    )(tr, st, h)
+    jaxpr = closed.jaxpr
+    dep = set(jaxpr.invars[len(jax.tree.leaves(tr)) :])
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in dep for v in eqn.invars):
+            dep.update(eqn.outvars)
+    stashed = tuple(not isinstance(v, Literal) and v in dep for v in jaxpr.outvars)
+    return _Layout(jax.tree.structure(shape), stashed, tuple(closed.out_avals))
+
+
+def _residuals(layout: _Layout, vjp_fn: Any) -> list[Any]:
+    leaves = jax.tree.leaves(vjp_fn)
+    got = [(jnp.shape(v), jnp.result_type(v)) for v in leaves]
+    want = [(a.shape, a.dtype) for a in layout.avals]
+    if got != want:
+        raise RuntimeError(
+            "pipeline_value_and_grad: the stage's VJP residuals differ between two traces "
+            f"({len(got)} vs {len(want)} arrays); stage_fn must trace the same way each time."
+        )
+    return leaves
+
+
+def _param_residuals(layout: _Layout, fns: _Fns, tr: Params, st: Params, h: Any) -> list:
+    """The residuals that depend on the params only (once per step, outside the scan)."""
+    leaves = _residuals(layout, _stage_vjp(fns, tr, st, h)[1])
+    return [v for v, s in zip(leaves, layout.stashed, strict=True) if not s]
+
+
+def _rebuild_vjp(layout: _Layout, stashed: list, param_res: list) -> Any:
+    it_s, it_p = iter(stashed), iter(param_res)
+    leaves = [next(it_s) if s else next(it_p) for s in layout.stashed]
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
+# -- one time slot ------------------------------------------------------------------------------
+class _Ctx(NamedTuple):
+    """What every slot of one device sees: static sizes and the step's invariants."""
+
+    fns: _Fns
+    layout: _Layout
+    sizes: dict[str, int]
+    kinds: jax.Array  # (T, p) int32, the table
+    mbs: jax.Array  # (T, p) int32
+    stage: jax.Array  # this device's stage index
+    is_first: jax.Array
+    is_last: jax.Array
+    scale: jax.Array  # 1 / m
+    tr: Params  # this stage's trainable params
+    tr_sh: Params  # shared trainable params
+    param_res: list  # residuals of the params alone
+    h_zero: Any  # zeros of the activation's type
+    stage_axis: str
+    perms: tuple[list, list]  # forward and backward ppermute pairs
+
+
+class _Buffers(NamedTuple):
+    """Ring buffers, indexed by ``microbatch % size`` (sizes from
+    `Schedule.buffer_sizes`): the stash (residuals from a forward to its backward, and
+    the shared state ``first_fn`` saw), activations received and cotangents received."""
+
+    stash: tuple[list, Params]
+    inbox_f: Any
+    inbox_b: Any
+
+
+class _Acc(NamedTuple):
+    """What a slot accumulates or threads: gradients, loss, non-trainable state."""
+
+    g: Params
+    g_sh: Params
+    loss: jax.Array
+    st: Params
+    st_sh: Params
+
+
+class _CellIn(NamedTuple):
+    """One microbatch's entries, read at the top level before the cell runs."""
+
+    h_in: Any
+    ct_in: Any
+    stash_in: tuple[list, Params]
+    x: Any
+    y: Any
+    st: Params
+    st_sh: Params
+
+
+class _CellOut(NamedTuple):
+    h_send: Any  # activation for stage s + 1
+    ct_send: Any  # cotangent for stage s - 1
+    ct_own: Any  # last stage: the cotangent of its output, for its own backward
+    stash_out: tuple[list, Params]  # the stash entry to write (unchanged if no forward)
+    d_tr: Params
+    d_sh: Params
+    loss: jax.Array
+    st: Params
+    st_sh: Params
+
+
+def _forward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
+    """Forward of one microbatch: stage 0 runs ``first_fn``, the last stage runs
+    ``last_fn`` and its gradient at once (loss, shared gradient, output cotangent)."""
+    h_in, st_sh = lax.cond(
+        c.is_first,
+        lambda: _vary(_first(c.fns, c.tr_sh, x.st_sh, x.x), _axes(c.h_zero)),
+        lambda: (x.h_in, x.st_sh),
+    )
+    h_out, vjp_fn, st = _stage_vjp(c.fns, c.tr, x.st, h_in)
+    res = [v for v, s in zip(_residuals(c.layout, vjp_fn), c.layout.stashed, strict=True) if s]
+
+    def last():
+        (loss, new_sh), (d_sh, d_h) = jax.value_and_grad(
+            lambda p, h: _last_loss(c.fns, p, st_sh, h, x.y, c.scale), (0, 1), has_aux=True
+        )(c.tr_sh, h_out)
+        return loss, new_sh, d_sh, d_h
+
+    loss, st_sh, d_sh, ct_own = lax.cond(
+        c.is_last,
+        last,
+        lambda: (
+            _vary(jnp.zeros((), _loss_dtype(c)), _axes(c.h_zero)),
+            st_sh,
+            _zeros(c.tr_sh),
+            c.h_zero,
+        ),
+    )
+    avals = _stash_avals(c.layout)
+    stash = ([_vary(v, _aval_vma(a)) for v, a in zip(res, avals, strict=True)], x.st_sh)
+    return _CellOut(h_out, c.h_zero, ct_own, stash, _zeros(c.tr), d_sh, loss, st, st_sh)
+
+
+def _backward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
+    """Backward of one microbatch from its stash; stage 0 pulls back through a
+    recomputed ``first_fn`` (with the shared state its forward saw)."""
+    res, st_sh_seen = x.stash_in
+    d_tr, d_h = _rebuild_vjp(c.layout, res, c.param_res)(x.ct_in)
+
+    def first():
+        _, pull = jax.vjp(lambda p: _first(c.fns, p, st_sh_seen, x.x)[0], c.tr_sh)
+        return pull(d_h)[0]
+
+    d_sh = lax.cond(c.is_first, first, lambda: _zeros(c.tr_sh))
+    loss = _vary(jnp.zeros((), _loss_dtype(c)), _axes(c.h_zero))
+    return _CellOut(c.h_zero, d_h, c.h_zero, x.stash_in, d_tr, d_sh, loss, x.st, x.st_sh)
+
+
+def _idle_cell(c: _Ctx, x: _CellIn) -> _CellOut:
+    loss = _vary(jnp.zeros((), _loss_dtype(c)), _axes(c.h_zero))
+    z = c.h_zero
+    return _CellOut(z, z, z, x.stash_in, _zeros(c.tr), _zeros(c.tr_sh), loss, x.st, x.st_sh)
+
+
+def _slot(c: _Ctx, xs: Any, ys: Any, carry: tuple[_Buffers, _Acc], t: jax.Array):
+    """One time slot on one device: read, run the cell, write, send."""
+    bufs, acc = carry
+    kind, mb = c.kinds[t, c.stage], c.mbs[t, c.stage]
+    n_s, n_f, n_b = c.sizes["stash"], c.sizes["fwd_inbox"], c.sizes["bwd_inbox"]
+    x = _CellIn(
+        _take(bufs.inbox_f, mb % n_f),
+        _take(bufs.inbox_b, mb % n_b),
+        _take(bufs.stash, mb % n_s),
+        _take(xs, mb),
+        _take(ys, mb),
+        acc.st,
+        acc.st_sh,
+    )
+    cells = [_idle_cell, _forward_cell, _backward_cell]
+    out = lax.switch(kind, [lambda x, f=f: f(c, x) for f in cells], x)
+    is_f, is_b = kind == FORWARD, kind == BACKWARD
+    # Send: the activation forward (not from the last stage), the cotangent backward.
+    ok_f, ok_b = is_f & ~c.is_last, is_b & ~c.is_first
+    hf, ok_f, mb_f = lax.ppermute((out.h_send, ok_f, mb), c.stage_axis, c.perms[0])
+    hb, ok_b, mb_b = lax.ppermute((out.ct_send, ok_b, mb), c.stage_axis, c.perms[1])
+    # The last stage's backward inbox holds its own output cotangents.
+    hb = jax.tree.map(lambda own, got: jnp.where(c.is_last, own, got), out.ct_own, hb)
+    ok_b = jnp.where(c.is_last, is_f, ok_b)
+    mb_b = jnp.where(c.is_last, mb, mb_b)
+    bufs = _Buffers(
+        _put(bufs.stash, mb % n_s, out.stash_out),
+        _put(bufs.inbox_f, mb_f % n_f, hf, ok_f),
+        _put(bufs.inbox_b, mb_b % n_b, hb, ok_b),
+    )
+    acc = _Acc(
+        jax.tree.map(jnp.add, acc.g, out.d_tr),
+        jax.tree.map(jnp.add, acc.g_sh, out.d_sh),
+        acc.loss + out.loss,
+        out.st,
+        out.st_sh,
+    )
+    return (bufs, acc), None
+
+
+def _axes(tree: Any) -> tuple[str, ...]:
+    """The varying axes of the first leaf of `tree`."""
+    return tuple(varying_axes(jax.tree.leaves(tree)[0]))
+
+
+def _aval_vma(aval: Any) -> tuple[str, ...]:
+    """The varying axes of an abstract value from ``jax.make_jaxpr``."""
+    mat = getattr(aval, "mat", None)
+    return tuple(getattr(mat, "varying", ()) if mat is not None else getattr(aval, "vma", ()))
+
+
+def _stash_avals(layout: _Layout) -> list:
+    return [a for a, s in zip(layout.avals, layout.stashed, strict=True) if s]
+
+
+def _loss_dtype(c: _Ctx) -> Any:
+    return jnp.result_type(c.scale)
+
+
+# -- one device's whole step -----------------------------------------------------------------
+class _Static(NamedTuple):
+    """The step's static configuration (from `pipeline_value_and_grad`'s arguments)."""
+
+    fns: _Fns
+    schedule: Schedule
+    stage_axis: str
+    data_axis: str | None
+
+
+def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
+    """One device: its stage's params ``(1, ...)``, the shared params, its data shard."""
+    sched, fns, axis = cfg.schedule, cfg.fns, cfg.stage_axis
+    p, m = sched.num_stages, sched.num_microbatches
+    axes = (axis,) if cfg.data_axis is None else (axis, cfg.data_axis)
+    stage = lax.axis_index(axis)
+    # Every device computes its own values: vary everything over the stage and data axes
+    # (no collective inside a cell; gradients are reduced once at the end). The model
+    # axis (TP layers inside the stage) keeps its types, so autodiff sums over it.
+    local = _vary(jax.tree.map(lambda v: v[0], stage_params), axes)
+    tr, st = local.split()
+    tr_sh, st_sh = _vary(shared_params, axes).split()
+    xs = _split_batch(_vary(inputs, axes), m)
+    ys = _split_batch(_vary(targets, axes), m)
+    x0, y0 = _take(xs, jnp.int32(0)), _take(ys, jnp.int32(0))
+    h_aval = jax.eval_shape(lambda: _first(fns, tr_sh, st_sh, x0)[0])
+    h_zero = _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h_aval), axes)
+    out_aval = jax.eval_shape(lambda: fns.stage(tr.merge(st), h_zero)[0])
+    _check_keeps_activation("pipeline_value_and_grad", h_aval, out_aval)
+    loss_aval = jax.eval_shape(
+        lambda: _last_loss(fns, tr_sh, st_sh, h_zero, y0, jnp.float32(1.0))[0]
+    )
+    layout = _residual_layout(fns, tr, st, h_zero)
+    sizes = sched.buffer_sizes()
+    kinds, mbs = (jnp.asarray(a) for a in sched.as_arrays())
+    c = _Ctx(
+        fns=fns,
+        layout=layout,
+        sizes=sizes,
+        kinds=kinds,
+        mbs=mbs,
+        stage=stage,
+        is_first=stage == 0,
+        is_last=stage == p - 1,
+        scale=jnp.asarray(1.0 / m, loss_aval.dtype),
+        tr=tr,
+        tr_sh=tr_sh,
+        param_res=_param_residuals(layout, fns, tr, st, h_zero),
+        h_zero=h_zero,
+        stage_axis=axis,
+        perms=([(s, s + 1) for s in range(p - 1)], [(s + 1, s) for s in range(p - 1)]),
+    )
+
+    def ring(n, avals):
+        return [_vary(jnp.zeros((n, *a.shape), a.dtype), _aval_vma(a)) for a in avals]
+
+    def ring_like(n, tree):
+        return jax.tree.map(
+            lambda v: _vary(jnp.zeros((n, *v.shape), v.dtype), tuple(varying_axes(v))), tree
+        )
+
+    bufs = _Buffers(
+        (ring(sizes["stash"], _stash_avals(layout)), ring_like(sizes["stash"], st_sh)),
+        ring_like(sizes["fwd_inbox"], h_zero),
+        ring_like(sizes["bwd_inbox"], h_zero),
+    )
+    acc = _Acc(_zeros(tr), _zeros(tr_sh), _vary(jnp.zeros((), loss_aval.dtype), axes), st, st_sh)
+    (_, acc), _ = lax.scan(
+        lambda carry, t: _slot(c, xs, ys, carry, t), (bufs, acc), jnp.arange(sched.num_slots)
+    )
+    return _reduce(cfg, c, acc, shared_params.split()[1])
+
+
+def _reduce(cfg: _Static, c: _Ctx, acc: _Acc, st_sh_old: Params):
+    """Loss and gradients summed over the stages (the shared params') and averaged over
+    the data axis; the shared state from stage 0 (``first_fn``) or p - 1 (``last_fn``)."""
+    axis, data = cfg.stage_axis, cfg.data_axis
+
+    def settle(old, new):
+        v0 = lax.psum(jnp.where(c.is_first, new, jnp.zeros_like(new)), axis)
+        vl = lax.psum(jnp.where(c.is_last, new, jnp.zeros_like(new)), axis)
+        return jnp.where(v0 != old, v0, vl)
+
+    st_sh = jax.tree.map(settle, st_sh_old, acc.st_sh)
+    loss, g_sh, g, st = lax.psum(acc.loss, axis), lax.psum(acc.g_sh, axis), acc.g, acc.st
+    if data is not None:
+        loss, g, g_sh = lax.pmean((loss, g, g_sh), data)
+        # Floating state (running statistics) is averaged over the data shards; integer
+        # state (Rng seed and counter) advances identically on every shard and keeps its
+        # dtype (pmax of equal values).
+        st, st_sh = jax.tree.map(
+            lambda v: lax.pmean(v, data) if jnp.issubdtype(v.dtype, jnp.floating)
+            else lax.pmax(v, data),
+            (st, st_sh),
+        )  # fmt: skip
+    lead = lambda t: jax.tree.map(lambda v: v[None], t)  # noqa: E731
+    return loss, (lead(g), g_sh), (lead(st), st_sh)
 
 
 def pipeline_value_and_grad(
@@ -146,17 +560,20 @@ def pipeline_value_and_grad(
     data_axis: str | None = None,
     remat: bool = False,
     remat_policy: Callable[..., bool] | None = None,
+    stage_specs: Params | None = None,
 ) -> Callable[..., tuple[jax.Array, tuple[Params, Params], tuple[Params, Params]]]:
     """Builds ``step(stage_params, shared_params, inputs, targets)`` that runs a pipelined
-    forward and backward after a GPipe or 1F1B schedule and returns the mean loss, the
-    gradients and the updated non-trainable state.
+    forward and backward after a GPipe or 1F1B schedule (or your `Schedule` table) and
+    returns the mean loss, the gradients and the updated non-trainable state.
 
     The model is ``last_fn(first_fn(inputs) -> stage 0 -> ... -> stage p-1, targets)``:
 
     * `stage_fn` ``(params, h) -> (h', params)``: one stage, the same code for all
       ``p`` stages (e.g. a transformer block, or a `blox.Sequential` of several); its
       params are `stage_params` stacked along a leading dimension ``p`` (`stack_stages`)
-      and sharded over `stage_axis`. ``h'`` must have the shape and dtype of ``h``.
+      and sharded over `stage_axis`. ``h'`` must have the shape and dtype of ``h``. It may
+      use tensor-parallel layers (`blox.parallel.ParallelTransformerBlock`, ...) over a
+      third mesh axis: pass their layout as `stage_specs`.
     * `first_fn` ``(params, inputs_mb) -> (h, params)`` (optional; default identity): runs
       on stage 0 only, e.g. the token embedding.
     * `last_fn` ``(params, h, targets_mb) -> (loss, params)``: runs on stage ``p - 1``
@@ -167,7 +584,14 @@ def pipeline_value_and_grad(
     contributions). The batch is split into ``m`` equal microbatches; the loss is the
     mean of the microbatch losses (equal to the full-batch loss when `last_fn` returns a
     mean) and the gradients are of that loss. With `data_axis`, the batch is first split
-    over that axis (DP x PP on a 2-D mesh): loss and gradients are averaged over it.
+    over that axis (DP x PP): loss and gradients are averaged over it, once per step.
+
+    Cost and memory: a time slot costs the same at any ``m`` (no buffer that grows with
+    ``m`` enters a conditional). Kept from a microbatch's forward to its backward: the
+    stage's residuals that depend on its input or state (``remat=True``: the input and
+    what `remat_policy` saves); residuals of the params alone (casts, transposes) are
+    computed once per step; the last stage differentiates `last_fn` in its forward slot
+    and keeps only its output's cotangent; stage 0 recomputes `first_fn` in its backward.
 
     Shape legend: ``p`` stages, ``m`` microbatches, ``B`` global batch, ``D`` data-axis size.
 
@@ -175,7 +599,8 @@ def pipeline_value_and_grad(
       stage_fn: as above. Non-trainable params it changes (RNG counters, BatchNorm
         statistics) are threaded through the forwards of its stage in microbatch order.
       last_fn: as above; returns a floating scalar.
-      mesh: a mesh with `stage_axis` (length ``p``) and, if given, `data_axis`.
+      mesh: a mesh with `stage_axis` (length ``p``), if given `data_axis`, and any axes
+        `stage_specs` names (e.g. ``'model'`` for tensor parallelism).
       schedule: ``'gpipe'``, ``'1f1b'`` or a `Schedule` for ``p`` stages and ``m``
         microbatches.
       num_microbatches: ``m``; required unless `schedule` is a `Schedule`.
@@ -186,6 +611,10 @@ def pipeline_value_and_grad(
         (``jax.checkpoint``): only what `remat_policy` saves is stashed.
       remat_policy: a ``jax.checkpoint_policies`` policy; default (``None``) saves
         nothing but the stage input.
+      stage_specs: the ``PartitionSpec`` of every parameter of *one* stage (a `Params` of
+        specs with one stage's paths, e.g. ``bp.param_specs(stage0_params,
+        bp.transformer_tp_rules())``); the stage axis is prepended. Default: each stage's
+        params whole on its device.
 
     Returns:
       ``step(stage_params, shared_params, inputs, targets) -> (loss, (stage_grads,
@@ -200,12 +629,13 @@ def pipeline_value_and_grad(
       ValueError: `stage_axis` / `data_axis` not in the mesh; the schedule's stage count
         is not the axis length; ``m < p`` under 1F1B; a stage-params leaf whose leading
         dimension is not ``p``; a batch that ``m`` (times ``D``) does not divide; a stage
-        that changes the activation's shape or dtype.
+        that changes the activation's shape or dtype; `stage_specs` whose paths differ
+        from the stage params'.
       TypeError: a function that does not return ``(outputs, params)``.
 
     Example:
       >>> import jax, jax.numpy as jnp, blox as bx
-      >>> from blox.parallel._pipeline import pipeline_value_and_grad, stack_stages
+      >>> from blox.parallel import pipeline_value_and_grad, stack_stages
       >>> mesh = jax.make_mesh((4,), ('stage',), devices=jax.devices()[:4])
       >>> g = bx.Graph('block'); rng = bx.Rng(g / 'rng'); lin = bx.Linear(g / 'fc', 8, rng)
       >>> def init(seed):
@@ -227,196 +657,64 @@ def pipeline_value_and_grad(
     where = "pipeline_value_and_grad"
     sched, p, dp = _resolve_schedule(where, mesh, schedule, num_microbatches, stage_axis, data_axis)
     m = sched.num_microbatches
-    sizes = sched.buffer_sizes()
-    kinds_np, mbs_np = sched.as_arrays()
-    fwd_perm = [(s, s + 1) for s in range(p - 1)]
-    bwd_perm = [(s + 1, s) for s in range(p - 1)]
 
     def call_stage(params: Params, h: Any) -> tuple[Any, Params]:
         return _check_out(stage_fn(params, h), "stage_fn", "stage_fn", "h")
 
     if remat:
         call_stage = jax.checkpoint(call_stage, policy=remat_policy)  # noqa: F811
-
-    def stage_compute(tr, tr_sh, h_recv, x_mb, y_mb, st, st_sh, is_first, is_last):
-        # One forward of this stage on one microbatch; differentiable in (tr, tr_sh, h_recv).
-        def run_first():
-            if first_fn is None:
-                return x_mb, st_sh
-            h, new = _check_out(first_fn(tr_sh.merge(st_sh), x_mb), "first_fn", "first_fn", "x")
-            return h, new.split()[1]
-
-        h_in, st_sh1 = lax.cond(is_first, run_first, lambda: (h_recv, st_sh))
-        h_out, new = call_stage(tr.merge(st), h_in)
-        st1 = new.split()[1]
-
-        def run_last():
-            loss, new_sh = _check_out(
-                last_fn(tr_sh.merge(st_sh1), h_out, y_mb), "last_fn", "last_fn", "h, y"
-            )
-            loss = jnp.asarray(loss)
-            if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-                raise ValueError(
-                    f"{where}: last_fn must return a floating scalar loss, got {loss.dtype} of "
-                    f"shape {loss.shape}; reduce it, e.g. jnp.mean(...)."
-                )
-            return loss, new_sh.split()[1]
-
-        loss_shape = jax.eval_shape(run_last)[0]
-        zero = jnp.zeros((), loss_shape.dtype)
-        loss, st_sh2 = lax.cond(is_last, run_last, lambda: (zero, st_sh1))
-        return (h_out, loss), (st1, st_sh2)
-
-    def body(stage_params, shared_params, inputs, targets):
-        idx = lax.axis_index(stage_axis)
-        is_first, is_last = idx == 0, idx == p - 1
-        local = jax.tree.map(lambda x: x[0], stage_params)
-        tr, st = local.split()
-        tr_sh, st_sh = shared_params.split()
-        xs = _split_batch(inputs, m, "inputs")
-        ys = _split_batch(targets, m, "targets")
-        x0, y0 = _take(xs, jnp.int32(0)), _take(ys, jnp.int32(0))
-        if first_fn is None:
-            h_aval = jax.eval_shape(lambda: x0)
-        else:
-            h_aval = jax.eval_shape(lambda: first_fn(shared_params, x0)[0])
-        h_zero = _zeros(h_aval)
-        out_aval = jax.eval_shape(lambda: call_stage(tr.merge(st), h_zero)[0])
-        _check_keeps_activation(where, h_aval, out_aval)
-
-        # Probe the VJP once (abstractly) to learn its residuals: which are the params
-        # themselves (not stashed), which are static, which go into the stash.
-        layout: dict[str, Any] = {}
-
-        def vjp_of(tr, tr_sh, h_recv, x_mb, y_mb, st, st_sh):
-            def f(a, b, c):
-                return stage_compute(a, b, c, x_mb, y_mb, st, st_sh, is_first, is_last)
-
-            return jax.vjp(f, tr, tr_sh, h_recv, has_aux=True)
-
-        def probe(tr, tr_sh, h_recv, x_mb, y_mb, st, st_sh):
-            _, vjp_fn, _ = vjp_of(tr, tr_sh, h_recv, x_mb, y_mb, st, st_sh)
-            layout["treedef"], layout["kinds"], stash = _split_residuals(vjp_fn, (tr, tr_sh))
-            return stash
-
-        res_aval = jax.eval_shape(probe, tr, tr_sh, h_zero, x0, y0, st, st_sh)
-        n_stash, n_in_f, n_in_b = sizes["stash"], sizes["fwd_inbox"], sizes["bwd_inbox"]
-        stash0 = [jnp.zeros((n_stash, *a.shape), a.dtype) for a in res_aval]
-        inbox_f0 = jax.tree.map(lambda a: jnp.zeros((n_in_f, *a.shape), a.dtype), h_aval)
-        inbox_b0 = jax.tree.map(lambda a: jnp.zeros((n_in_b, *a.shape), a.dtype), h_aval)
-        loss_dtype = jax.eval_shape(
-            lambda: stage_compute(tr, tr_sh, h_zero, x0, y0, st, st_sh, True, True)[0][1]
-        ).dtype
-        inv_m = jnp.asarray(1.0 / m, loss_dtype)
-        kinds_a, mbs_a = jnp.asarray(kinds_np), jnp.asarray(mbs_np)
-
-        def idle(c, mb):
-            return c, (h_zero, False), (h_zero, False)
-
-        def forward(c, mb):
-            st, st_sh, g, g_sh, loss_acc, stash, inbox_f, inbox_b = c
-            h_recv = _take(inbox_f, mb % n_in_f)
-            (h_out, loss), vjp_fn, (st_new, st_sh_new) = vjp_of(
-                tr, tr_sh, h_recv, _take(xs, mb), _take(ys, mb), st, st_sh
-            )
-            _, kinds, res = _split_residuals(vjp_fn, (tr, tr_sh))
-            if [k for k, _ in kinds] != [k for k, _ in layout["kinds"]]:
-                raise RuntimeError(f"{where}: the VJP residuals changed between two traces.")
-            stash = [_put(b, mb % n_stash, r) for b, r in zip(stash, res, strict=True)]
-            c = (st_new, st_sh_new, g, g_sh, loss_acc + loss * inv_m, stash, inbox_f, inbox_b)
-            return c, (h_out, ~is_last), (h_zero, False)
-
-        def backward(c, mb):
-            st, st_sh, g, g_sh, loss_acc, stash, inbox_f, inbox_b = c
-            vjp_fn = _rebuild_vjp(
-                layout["treedef"], layout["kinds"], (tr, tr_sh), stash, mb % n_stash
-            )
-            ct_h = jax.tree.map(
-                lambda v: jnp.where(is_last, jnp.zeros_like(v), v),
-                _take(inbox_b, mb % n_in_b),
-            )
-            d_tr, d_sh, d_h = vjp_fn((ct_h, inv_m))
-            g = jax.tree.map(jnp.add, g, d_tr)
-            g_sh = jax.tree.map(jnp.add, g_sh, d_sh)
-            c = (st, st_sh, g, g_sh, loss_acc, stash, inbox_f, inbox_b)
-            return c, (h_zero, False), (d_h, ~is_first)
-
-        def slot(c, t):
-            kind, mb = kinds_a[t, idx], mbs_a[t, idx]
-            c, (hf, okf), (hb, okb) = lax.switch(
-                kind,
-                [lambda c: idle(c, mb), lambda c: forward(c, mb), lambda c: backward(c, mb)],
-                c,
-            )
-            okf, okb = jnp.asarray(okf), jnp.asarray(okb)
-            mbf, mbb = jnp.where(okf, mb, 0), jnp.where(okb, mb, 0)
-            hf, okf, mbf = lax.ppermute((hf, okf, mbf), stage_axis, fwd_perm)
-            hb, okb, mbb = lax.ppermute((hb, okb, mbb), stage_axis, bwd_perm)
-            st, st_sh, g, g_sh, loss_acc, stash, inbox_f, inbox_b = c
-            inbox_f = _put(inbox_f, mbf % n_in_f, hf, okf)
-            inbox_b = _put(inbox_b, mbb % n_in_b, hb, okb)
-            return (st, st_sh, g, g_sh, loss_acc, stash, inbox_f, inbox_b), None
-
-        c0 = (
-            st, st_sh, _zeros(tr), _zeros(tr_sh), jnp.zeros((), loss_dtype),
-            stash0, inbox_f0, inbox_b0,
-        )  # fmt: skip
-        c, _ = lax.scan(slot, c0, jnp.arange(sched.num_slots))
-        st, st_sh_new, g, g_sh, loss, *_ = c
-
-        # Shared state: stage 0 owns first_fn's changes, stage p-1 those of last_fn.
-        def settle(old, new):
-            v0 = lax.psum(jnp.where(is_first, new, jnp.zeros_like(new)), stage_axis)
-            vl = lax.psum(jnp.where(is_last, new, jnp.zeros_like(new)), stage_axis)
-            return jnp.where(v0 != old, v0, vl)
-
-        st_sh_out = jax.tree.map(settle, st_sh, st_sh_new)
-        loss = lax.psum(loss, stage_axis)
-        g_sh = lax.psum(g_sh, stage_axis)
-        if data_axis is not None:
-            loss, g, g_sh = lax.pmean((loss, g, g_sh), data_axis)
-            # Floating state (e.g. running statistics) is averaged over the data shards;
-            # integer state (Rng seed and counter) advances identically on every shard and
-            # keeps its dtype (a pmean would turn uint32 into float32).
-            st, st_sh_out = jax.tree.map(
-                lambda v: lax.pmean(v, data_axis) if jnp.issubdtype(v.dtype, jnp.floating) else v,
-                (st, st_sh_out),
-            )
-        g = jax.tree.map(lambda x: x[None], g)
-        st = jax.tree.map(lambda x: x[None], st)
-        return loss, (g, g_sh), (st, st_sh_out)
+    cfg = _Static(_Fns(call_stage, first_fn, last_fn), sched, stage_axis, data_axis)
 
     def step(stage_params: Params, shared_params: Params, inputs: Any, targets: Any):
         _check_step_args(where, stage_params, shared_params, inputs, targets, p, stage_axis, m, dp)
-        spec_s = jax.tree.map(lambda _: PartitionSpec(stage_axis), stage_params)
-        spec_sh = jax.tree.map(lambda _: PartitionSpec(), shared_params)
-        spec_b = PartitionSpec(data_axis)
-        tr_s, _ = stage_params.split()
-        tr_sh, _ = shared_params.split()
+        specs = _stage_partition_specs(where, stage_params, stage_specs, stage_axis)
+        rep = jax.tree.map(lambda _: PartitionSpec(), shared_params)
+        batch = PartitionSpec(data_axis)
         out_specs = (
             PartitionSpec(),
-            (jax.tree.map(lambda _: PartitionSpec(stage_axis), tr_s),
-             jax.tree.map(lambda _: PartitionSpec(), tr_sh)),
-            (jax.tree.map(lambda _: PartitionSpec(stage_axis), stage_params.split()[1]),
-             jax.tree.map(lambda _: PartitionSpec(), shared_params.split()[1])),
-        )  # fmt: skip
-        f = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(spec_s, spec_sh, spec_b, spec_b),
-            out_specs=out_specs,
-            check_vma=False,
+            (specs.split()[0], rep.split()[0]),
+            (specs.split()[1], rep.split()[1]),
         )
-        put = lambda tree, spec: jax.tree.map(lambda x: constrain(x, mesh, spec), tree)  # noqa: E731
+        f = jax.shard_map(
+            lambda *a: _pipeline_body(cfg, *a),
+            mesh=mesh,
+            in_specs=(specs, rep, batch, batch),
+            out_specs=out_specs,
+        )
+        put = lambda tree, spec: jax.tree.map(lambda x, s: constrain(x, mesh, s), tree, spec)  # noqa: E731
         loss, grads, (st, st_sh) = f(
-            put(stage_params, PartitionSpec(stage_axis)),
-            put(shared_params, PartitionSpec()),
-            put(inputs, spec_b),
-            put(targets, spec_b),
+            put(stage_params, specs),
+            put(shared_params, rep),
+            jax.tree.map(lambda x: constrain(x, mesh, batch), inputs),
+            jax.tree.map(lambda x: constrain(x, mesh, batch), targets),
         )
         return loss, grads, (stage_params.merge(st), shared_params.merge(st_sh))
 
     return step
+
+
+def _stage_partition_specs(
+    where: str, stage_params: Params, stage_specs: Params | None, stage_axis: str
+) -> Params:
+    """Per stage-params leaf: ``P(stage_axis, *spec of one stage)``."""
+    if stage_specs is None:
+        return jax.tree.map(lambda _: PartitionSpec(stage_axis), stage_params)
+    if not isinstance(stage_specs, Params):
+        raise TypeError(
+            f"{where}: stage_specs must be Params of PartitionSpec (e.g. "
+            f"bp.param_specs(one_stage_params, rules)), got {type(stage_specs).__name__}."
+        )
+    mine, theirs = set(stage_params.keys()), set(stage_specs.keys())
+    if mine != theirs:
+        diff = sorted(format_path(k) for k in mine ^ theirs)
+        raise ValueError(
+            f"{where}: stage_specs and stage_params have different paths, e.g. {diff[:3]}; "
+            "build the specs from one stage's params (bp.param_specs(stage0, rules))."
+        )
+    by_name = {format_path(k): stage_specs[k].value for k in theirs}
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, _: PartitionSpec(stage_axis, *(by_name[kp[0].key] or ())), stage_params
+    )
 
 
 def _resolve_schedule(
@@ -492,37 +790,6 @@ def _check_step_args(
                     f"num_microbatches={m} x data-parallel {dp} does not divide; use a "
                     f"batch that is a multiple of {m * dp}."
                 )
-
-
-def _split_residuals(vjp_fn: Any, params: Any) -> tuple[Any, list, list]:
-    """The VJP closure's leaves sorted into the params themselves (not stashed: the
-    backward has them), arrays to stash, and static values."""
-    leaves, treedef = jax.tree.flatten(vjp_fn)
-    pid = {id(v): k for k, v in enumerate(jax.tree.leaves(params))}
-    kinds, stash = [], []
-    for v in leaves:
-        if id(v) in pid:
-            kinds.append(("param", pid[id(v)]))
-        elif isinstance(v, (jax.Array, jax.core.Tracer)):
-            kinds.append(("stash", len(stash)))
-            stash.append(v)
-        else:
-            kinds.append(("static", v))
-    return treedef, kinds, stash
-
-
-def _rebuild_vjp(treedef: Any, kinds: list, params: Any, stash: list, slot: jax.Array) -> Any:
-    """The VJP closure back from `_split_residuals`' parts, its stash read at `slot`."""
-    params_leaves = jax.tree.leaves(params)
-    leaves = []
-    for kind, k in kinds:
-        if kind == "param":
-            leaves.append(params_leaves[k])
-        elif kind == "stash":
-            leaves.append(_take(stash[k], slot))
-        else:
-            leaves.append(k)
-    return jax.tree.unflatten(treedef, leaves)
 
 
 def _check_keeps_activation(where: str, h_aval: Any, out_aval: Any) -> None:

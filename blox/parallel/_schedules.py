@@ -133,17 +133,21 @@ class Schedule:
     def buffer_sizes(self) -> dict[str, int]:
         """Ring-buffer lengths the runtime allocates, indexed by ``microbatch % size``:
         ``'stash'`` (activations kept from a forward to its backward), ``'fwd_inbox'``
-        and ``'bwd_inbox'`` (activations / cotangents received and not yet used)."""
+        and ``'bwd_inbox'`` (activations / cotangents received and not yet used; on the
+        last stage, the cotangents of its own outputs)."""
         p, m, times = self.num_stages, self.num_microbatches, self.times()
         stash = [[(i, times["F", s, i], times["B", s, i]) for i in range(m)] for s in range(p)]
         fwd = [
             [(i, times["F", s - 1, i], times["F", s, i]) for i in range(m)] if s else []
             for s in range(p)
         ]
+        # The last stage keeps its own output cotangents (from last_fn, computed in its
+        # forward slot) in its backward inbox until its backward.
         bwd = [
-            [(i, times["B", s + 1, i], times["B", s, i]) for i in range(m)] if s < p - 1 else []
+            [(i, times[("F" if s == p - 1 else "B", min(s + 1, p - 1), i)], times["B", s, i])
+             for i in range(m)]
             for s in range(p)
-        ]
+        ]  # fmt: skip
         return {
             "stash": _buffer_size(stash, m),
             "fwd_inbox": _buffer_size(fwd, m),

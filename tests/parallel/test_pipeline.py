@@ -33,18 +33,21 @@ class Counter(bx.Module):
             params, "mean", (h.shape[-1],), jax.nn.initializers.zeros, trainable=False
         )
         params = self.set_param(params, "calls", n + 1)
-        params = self.set_param(params, "mean", 0.9 * mu + 0.1 * jnp.mean(h, axis=0))
+        params = self.set_param(
+            params, "mean", 0.9 * mu + 0.1 * jnp.mean(h, axis=0).astype(mu.dtype)
+        )
         return h, params
 
 
-def _model():
+def _model(dtype=None):
+    """`dtype`: the layers' compute dtype (a mixed-precision policy: params stay f32)."""
     g = bx.Graph("net")
     rng = bx.Rng(g / "rng")
-    embed = bx.Linear(g / "embed", WIDTH, rng)
-    head = bx.Linear(g / "head", CLASSES, rng)
+    embed = bx.Linear(g / "embed", WIDTH, rng, dtype=dtype)
+    head = bx.Linear(g / "head", CLASSES, rng, dtype=dtype)
     sg = bx.Graph("stage")
     srng = bx.Rng(sg / "rng")
-    fc = bx.Linear(sg / "fc", WIDTH, srng)
+    fc = bx.Linear(sg / "fc", WIDTH, srng, dtype=dtype)
     count = Counter(sg / "count")
 
     def first_fn(params, x):
@@ -57,7 +60,8 @@ def _model():
 
     def last_fn(params, h, y):
         logits, params = head(params, h, precision="highest")
-        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y)), params
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+        return jnp.mean(ce), params
 
     shared = rng.seed(bx.Params(), seed=0)
     h, shared = first_fn(shared, jnp.zeros((1, D_IN)))
@@ -78,26 +82,32 @@ def _data(n, seed=0):
 
 
 def _sequential(first_fn, stage_fn, last_fn, shared, stages, x, y, m):
-    """One device, no pipeline: microbatch by microbatch, stage by stage."""
+    """One device, no pipeline: microbatch by microbatch (a ``lax.scan``, so the compile
+    does not grow with m), stage by stage, under ``jax.value_and_grad``."""
+    xs = x.reshape(m, x.shape[0] // m, *x.shape[1:])
+    ys = y.reshape(m, y.shape[0] // m, *y.shape[1:])
 
     def loss_fn(trainables, states, st_sh):
         tr_sh, trs = trainables
-        losses = []
-        for i in range(m):
-            sl = slice(i * x.shape[0] // m, (i + 1) * x.shape[0] // m)
-            h, p_sh = first_fn(tr_sh.merge(st_sh), x[sl])
+
+        def one(carry, xy):
+            states, st_sh = carry
+            h, p_sh = first_fn(tr_sh.merge(st_sh), xy[0])
+            new_states = []
             for s in range(P_STAGES):
                 h, p = stage_fn(trs[s].merge(states[s]), h)
-                states[s] = p.split()[1]
-            loss, p_sh = last_fn(p_sh, h, y[sl])
-            st_sh = p_sh.split()[1]
-            losses.append(loss)
-        return sum(losses) / m, (states, st_sh)
+                new_states.append(p.split()[1])
+            loss, p_sh = last_fn(p_sh, h, xy[1])
+            return (new_states, p_sh.split()[1]), loss
+
+        (states, st_sh), losses = jax.lax.scan(one, (states, st_sh), (xs, ys))
+        return jnp.mean(losses), (states, st_sh)
 
     trainables = (shared.split()[0], [s.split()[0] for s in stages])
-    (loss, (states, st_sh)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
-        trainables, [s.split()[1] for s in stages], shared.split()[1]
-    )
+    with jax.default_matmul_precision("highest"):
+        (loss, (states, st_sh)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+            trainables, [s.split()[1] for s in stages], shared.split()[1]
+        )
     return loss, grads, states, st_sh
 
 
@@ -111,58 +121,78 @@ def _close(a, b, **kw):
 
 
 # -- 1. numerics against the sequential model -----------------------------------------------
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("m", [4, 8, 16])
-def test_matches_sequential(schedule, m):
-    first_fn, stage_fn, last_fn, shared, stages = _model()
+# The full m grid runs for f32 without remat; remat and the bf16 policy (f32 params, bf16
+# compute) run at the smallest and the largest m, to keep the suite fast.
+GRID = [("gpipe", m, None, False) for m in (4, 8, 16, 32)]
+GRID += [("1f1b", m, None, False) for m in (4, 8, 16, 32)]
+GRID += [(s, m, None, True) for s in ("gpipe", "1f1b") for m in (4, 32)]
+GRID += [("gpipe", 4, "bf16", False), ("1f1b", 32, "bf16", False)]
+GRID += [("gpipe", 32, "bf16", True), ("1f1b", 4, "bf16", True)]
+
+
+@pytest.mark.parametrize("schedule,m,policy,remat", GRID)
+def test_matches_sequential(schedule, m, policy, remat):
+    first_fn, stage_fn, last_fn, shared, stages = _model(jnp.bfloat16 if policy == "bf16" else None)
     x, y = _data(2 * m)
     ref_loss, (ref_g_sh, ref_g), ref_states, ref_st_sh = _sequential(
         first_fn, stage_fn, last_fn, shared, stages, x, y, m
     )
     step = jax.jit(
         pipeline_value_and_grad(
-            stage_fn, last_fn, _mesh(), schedule=schedule, num_microbatches=m, first_fn=first_fn
+            stage_fn,
+            last_fn,
+            _mesh(),
+            schedule=schedule,
+            num_microbatches=m,
+            first_fn=first_fn,
+            remat=remat,
         )
     )
     with jax.default_matmul_precision("highest"):
         loss, (g, g_sh), (new_stages, new_shared) = step(stack_stages(stages), shared, x, y)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    _close(g_sh, ref_g_sh, rtol=1e-5, atol=1e-6)
+    # bf16 policy: the same bf16 ops as the reference, summed in another order
+    t = tol(jnp.bfloat16) if policy == "bf16" else F32
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=t["rtol"])
+    assert jax.tree.leaves(g)[0].dtype == jnp.float32  # accumulated in the params' dtype
+    _close(g_sh, ref_g_sh, **t)
     for s, gs in enumerate(unstack_stages(g)):
-        _close(gs, ref_g[s], rtol=1e-5, atol=1e-6)
+        _close(gs, ref_g[s], **t)
     for s, ps in enumerate(unstack_stages(new_stages)):  # non-trainable state came back
         assert (
             int(ps["stage", "count", "calls"].value)
             == int(stages[s]["stage", "count", "calls"].value) + m
         )
-        _close(ps.split()[1], ref_states[s], rtol=1e-5, atol=1e-6)
+        _close(ps.split()[1], ref_states[s], **t)
     _close(new_shared.split()[1], ref_st_sh, rtol=0, atol=0)
 
 
-def test_bfloat16_activations_close_to_float32_reference():
-    """bf16 inputs and params: the pipeline agrees with the f32 sequential run to bf16
-    tolerance."""
+def test_bfloat16_activations_and_params_match_the_bf16_sequential_model():
+    """bf16 inputs and params (bf16 gradients): the pipeline agrees with the same bf16
+    model run sequentially to bf16 tolerance (issue 22 item 24: this compared with the
+    f32 model at rtol 0.1 / atol 0.05 before)."""
     first_fn, stage_fn, last_fn, shared, stages = _model()
-    x, y = _data(8)
-    ref_loss, (_, ref_g), _, _ = _sequential(first_fn, stage_fn, last_fn, shared, stages, x, y, 4)
-    bf = lambda t: jax.tree.map(
+    bf = lambda t: jax.tree.map(  # noqa: E731
         lambda v: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v, t
-    )  # noqa: E731
+    )
+    stages, shared = [bf(s) for s in stages], bf(shared)
+    x, y = _data(8)
+    x = x.astype(jnp.bfloat16)
+    ref_loss, (ref_g_sh, ref_g), _, _ = _sequential(
+        first_fn, stage_fn, last_fn, shared, stages, x, y, 4
+    )
     step = jax.jit(
         pipeline_value_and_grad(
-            stage_fn,
-            lambda p, h, y: last_fn(p, h.astype(jnp.float32), y),
-            _mesh(),
-            schedule="1f1b",
-            num_microbatches=4,
-            first_fn=first_fn,
+            stage_fn, last_fn, _mesh(), schedule="1f1b", num_microbatches=4, first_fn=first_fn
         )
     )
-    loss, (g, _), _ = step(stack_stages([bf(s) for s in stages]), bf(shared), bf(x), y)
+    with jax.default_matmul_precision("highest"):
+        loss, (g, g_sh), _ = step(stack_stages(stages), shared, x, y)
     np.testing.assert_allclose(float(loss), float(ref_loss), **tol(jnp.bfloat16))
     assert jax.tree.leaves(g)[0].dtype == jnp.bfloat16
+    f32 = lambda t: jax.tree.map(lambda v: v.astype(jnp.float32), t)  # noqa: E731
+    _close(f32(g_sh), f32(ref_g_sh), **tol(jnp.bfloat16))
     for s, gs in enumerate(unstack_stages(g)):
-        _close(jax.tree.map(lambda v: v.astype(jnp.float32), gs), ref_g[s], rtol=0.1, atol=0.05)
+        _close(f32(gs), f32(ref_g[s]), **tol(jnp.bfloat16))
 
 
 def test_masked_loss_matches_sequential():
@@ -288,56 +318,7 @@ def test_custom_schedule_runs():
     _close(unstack_stages(g)[0], ref_g[0], rtol=1e-5, atol=1e-6)
 
 
-# -- 3. memory ---------------------------------------------------------------------------------
-def _temp_bytes(schedule, m, remat=False, mb_rows=64):
-    g = bx.Graph("mem")
-    rng = bx.Rng(g / "rng")
-    l1, l2 = bx.Linear(g / "fc1", 64, rng), bx.Linear(g / "fc2", 16, rng)
-
-    def stage_fn(params, h):
-        y, params = l1(params, h)
-        y, params = l2(params, jnp.tanh(y))
-        return jnp.tanh(y), params
-
-    def init(seed):
-        return stage_fn(rng.seed(bx.Params(), seed=seed), jnp.zeros((1, 16)))[1].locked()
-
-    stages = jax.eval_shape(lambda: stack_stages([init(s) for s in range(P_STAGES)]))
-    x = jax.ShapeDtypeStruct((m * mb_rows, 16), jnp.float32)
-    step = jax.jit(
-        pipeline_value_and_grad(
-            stage_fn,
-            lambda p, h, y: (jnp.mean((h - y) ** 2), p),
-            _mesh(),
-            schedule=schedule,
-            num_microbatches=m,
-            remat=remat,
-        )
-    )
-    # Compiled as users compile: the suite turns the CPU fusion emitters off (and most
-    # optimisations, see the marker below) for compile speed; tests/conftest.py.
-    return (
-        step.lower(stages, bx.Params().locked(), x, x)
-        .compile(compiler_options={"xla_cpu_use_fusion_emitters": True})
-        .memory_analysis()
-        .temp_size_in_bytes
-    )
-
-
-@pytest.mark.full_optimizations
-def test_memory_1f1b_bounded_gpipe_grows():
-    t = {
-        (s, m, r): _temp_bytes(s, m, r)
-        for s in ("gpipe", "1f1b")
-        for m in (4, 16)
-        for r in (False, True)
-    }
-    assert t["gpipe", 16, False] / t["gpipe", 4, False] >= 3
-    assert t["1f1b", 16, False] / t["1f1b", 4, False] <= 1.25
-    assert t["1f1b", 16, False] < 0.5 * t["gpipe", 16, False]
-    for s in ("gpipe", "1f1b"):
-        for m in (4, 16):
-            assert t[s, m, True] < t[s, m, False]
+# -- 3. memory: tests/parallel/test_pipeline_cost.py --------------------------------------------
 
 
 # -- 5. DP x PP ----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""Smoke test of ``examples/pipeline_lm.py`` at tiny size: GPipe, 1F1B (on a data 2 x
-stage 4 mesh) and the unpipelined one-device run print the same per-step losses (the
-example's contract), and each prints the compiled step's temp bytes once."""
+"""Smoke test of ``examples/pipeline_lm.py`` at tiny size: GPipe and 1F1B on data x stage
+x model meshes 1x4x1, 2x2x2 (DP x PP x TP) and 1x2x4 (PP x TP) and the unpipelined
+one-device run print the same per-step losses (the example's contract, 1e-5), and each
+prints the compiled step's temp bytes once."""
 
 import re
 
@@ -26,12 +27,19 @@ def _run(*args: str) -> tuple[list[float], int]:
 
 def test_pipeline_lm_schedules_agree_with_the_unpipelined_model():
     none, _ = _run("--schedule", "none")
-    gpipe, t_gpipe = _run("--schedule", "gpipe", "--microbatches", "8")
-    one_f, t_1f1b = _run("--schedule", "1f1b", "--microbatches", "4", "--data-parallel", "2")
     assert np.all(np.isfinite(none)) and none[1] < none[0], none  # it trains
-    np.testing.assert_allclose(gpipe, none, rtol=1e-5)
-    np.testing.assert_allclose(one_f, none, rtol=1e-5)
-    assert t_gpipe > 0 and t_1f1b > 0
+    runs = {
+        "gpipe 1x4x1": ("--schedule", "gpipe", "--microbatches", "8"),
+        "1f1b 2x2x2": ("--schedule", "1f1b", "--microbatches", "4", "--data-parallel", "2",
+                       "--stages", "2", "--tensor-parallel", "2"),
+        "gpipe 1x2x4": ("--schedule", "gpipe", "--microbatches", "4", "--stages", "2",
+                        "--tensor-parallel", "4"),
+        "1f1b 1x4x1": ("--schedule", "1f1b", "--microbatches", "4"),
+    }  # fmt: skip
+    for name, args in runs.items():
+        losses, temp = _run(*args)
+        np.testing.assert_allclose(losses, none, rtol=1e-5, err_msg=name)
+        assert temp > 0, name
 
 
 def test_pipeline_speed_quick_writes_its_section(tmp_path):

@@ -1,0 +1,66 @@
+"""Issue 24 item 5 / issue 22 item 12: under ``python -m blox.launch -n 2
+--devices-per-process 4`` (the data x stage mesh spans both processes), `unstack_stages`
+splits the stage params (equal to the per-stage params put in) and a 1F1B pipeline step's
+loss and per-stage gradients equal the one-process run on 8 simulated devices (the
+reference); both ranks print the same values. Worker: tests/parallel/pp_worker.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.scripts import ROOT
+
+pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
+
+WORKER = "tests/parallel/pp_worker.py"
+LINE = re.compile(r"^(stage=\d+ params_equal=\w+ grad|loss)=(\S+)$")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOX_")}
+    env.pop("XLA_FLAGS", None)
+    env.update(extra)
+    return env
+
+
+def _values(out: str, tag: str = "") -> dict[str, float]:
+    found = {}
+    for line in out.splitlines():
+        if line.startswith(tag) and (hit := LINE.match(line[len(tag) :])):
+            found[hit[1]] = float(hit[2])
+    return found
+
+
+def test_two_processes_equal_one_process():
+    one_env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    launch = ("-m", "blox.launch", "-n", "2", "--devices-per-process", "4")
+    procs = {
+        "one": subprocess.Popen([sys.executable, WORKER], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=one_env),
+        "two": subprocess.Popen([sys.executable, *launch, WORKER], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env()),
+    }  # fmt: skip
+    outs = {}
+    try:
+        for key, proc in procs.items():
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, (key, out[-3000:] + err[-3000:])
+            outs[key] = out
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    ref = _values(outs["one"])
+    rank0, rank1 = _values(outs["two"], "[0] "), _values(outs["two"], "[1] ")
+    assert len(ref) == 5 and sorted(ref) == sorted(rank0) == sorted(rank1), outs["two"][-3000:]
+    assert all(f"stage={k} params_equal=True grad" in ref for k in range(4)), ref
+    for key in ref:
+        np.testing.assert_allclose(rank0[key], ref[key], rtol=1e-6, err_msg=key)
+        assert rank1[key] == rank0[key], key
