@@ -39,7 +39,7 @@ def _seq_len(inputs: Any, where: str) -> int:
     for leaf in leaves:
         if jnp.ndim(leaf) < 2:
             raise ValueError(
-                f"{where}: input leaves must have rank >= 2 ([B, T, ...], time on axis 1), "
+                f"{where}: Input leaves must have rank >= 2 ([B, T, ...], time on axis 1), "
                 f"got shape {jnp.shape(leaf)}. Add the time axis, e.g. x[:, None]."
             )
         lengths.add(jnp.shape(leaf)[1])
@@ -230,7 +230,7 @@ def _lax_scan(step_fn, params, inputs, state, is_reset, is_training, valid):
     rs = None if is_reset is None else jnp.swapaxes(is_reset, 0, 1)
     vs = None if valid is None else jnp.swapaxes(valid, 0, 1)
     leaves, tree = jax.tree.flatten(params)
-    moves = _moving_leaves(step, leaves, tree, state, (xs, rs, vs), is_training)
+    moves, widen = _moving_leaves(step, leaves, tree, state, (xs, rs, vs), is_training)
 
     def merge(carried):  # the carried leaves back into the params (all of them if None)
         if moves is None:
@@ -251,13 +251,16 @@ def _lax_scan(step_fn, params, inputs, state, is_reset, is_training, valid):
         (out, state), p = step(merge(carried), x_t, state, r_t, is_training, v_t)
         return (state, pick(p)), out
 
-    (state, carried), outs = jax.lax.scan(body, (state, pick(params)), (xs, rs, vs))
+    carry = widen((state, pick(params)))
+    (state, carried), outs = jax.lax.scan(body, carry, (xs, rs, vs))
     return (jax.tree.map(lambda o: jnp.swapaxes(o, 0, 1), outs), state), merge(carried)
 
 
-def _moving_leaves(step, leaves, tree, state, xrv, is_training) -> list[bool] | None:
+def _moving_leaves(step, leaves, tree, state, xrv, is_training) -> tuple[list[bool] | None, Any]:
     """Which params leaves one step replaces (e.g. an Rng counter), found by tracing it once
     (`jax.eval_shape`, no computation); ``None`` if it returns params of another structure.
+    Also returns ``widen(carry) -> carry``, which gives the initial scan carry (the state
+    and those leaves) the varying manual axes of one step's outputs.
 
     Only those leaves ride in the ``lax.scan`` carry; the others are closed over, as in a
     hand-written scan. Carrying them all gives the same numbers (``lax.scan`` turns the
@@ -266,20 +269,62 @@ def _moving_leaves(step, leaves, tree, state, xrv, is_training) -> list[bool] | 
     parameter gradients in another order, and XLA schedules its body differently from the
     hand-written scan's, with more cache misses (LSTM train step: 5 % more L1 data misses
     in the compiled code, 7 % more instruction-cache misses).
+
+    Inside ``jax.shard_map`` (``check_vma=True``) ``lax.scan`` needs the carry to enter
+    with the type it leaves with: a zero initial state is invariant over the data axis,
+    but the state after one step varies with the batch shard (or with params made
+    varying by `blox.parallel.dp_value_and_grad`). `widen` casts the initial carry
+    (``jax.lax.pcast(..., to='varying')``) to the axes one step's outputs vary over, the
+    cast a hand-written scan needs; off ``shard_map`` it returns the carry unchanged.
     """
-    found: list[list[bool] | None] = []
+    found: list[Any] = []
 
     def one(values, state, xrv):
         x_t, r_t, v_t = jax.tree.map(lambda a: a[0], xrv)
-        (out, _), p = step(jax.tree.unflatten(tree, values), x_t, state, r_t, is_training, v_t)
-        new, new_tree = jax.tree.flatten(p)
-        found.append(
-            [a is not b for a, b in zip(new, values, strict=True)] if new_tree == tree else None
+        (out, new_state), p = step(
+            jax.tree.unflatten(tree, values), x_t, state, r_t, is_training, v_t
         )
+        new, new_tree = jax.tree.flatten(p)
+        moves = [a is not b for a, b in zip(new, values, strict=True)] if new_tree == tree else None
+        carried = new if moves is None else [v for v, m in zip(new, moves, strict=True) if m]
+        found.append((moves, [_varying(v) for v in jax.tree.leaves((new_state, carried))]))
         return out
 
     jax.eval_shape(one, leaves, state, xrv)
-    return found[0]
+    moves, out_axes = found[0]
+
+    def widen(carry: Any) -> Any:
+        flat, carry_tree = jax.tree.flatten(carry)
+        if len(flat) != len(out_axes):  # another state structure: lax.scan will say so
+            return carry
+        cast = [_cast_varying(v, axes) for v, axes in zip(flat, out_axes, strict=True)]
+        return jax.tree.unflatten(carry_tree, cast)
+
+    return moves, widen
+
+
+def _varying(x: Any) -> frozenset:
+    """The manual mesh axes `x` varies over inside ``jax.shard_map`` (empty elsewhere)."""
+    from blox.parallel._mesh import varying_axes  # lazy: blox.parallel imports blox.core
+
+    return varying_axes(x) if hasattr(x, "dtype") else frozenset()
+
+
+def vary_like(x: Any, like: Any) -> Any:
+    """Every array of `x` cast to vary over the manual axes that `like` varies over (inside
+    ``jax.shard_map``): a recurrent module's zero initial state next to its batch-sharded
+    inputs, so that a ``lax.scan`` over steps (blox's or a hand-written one) gets a carry
+    of the type its body returns. `x` itself off ``shard_map``."""
+    axes = frozenset().union(*(_varying(v) for v in jax.tree.leaves(like)))
+    if not axes:
+        return x
+    return jax.tree.map(lambda v: _cast_varying(v, axes), x)
+
+
+def _cast_varying(v: Any, axes: frozenset) -> Any:
+    """`v` made varying over those of `axes` it does not vary over yet."""
+    missing = tuple(sorted(axes - _varying(v)))
+    return jax.lax.pcast(v, missing, to="varying") if missing else v
 
 
 def dynamic_scan(
@@ -300,6 +345,9 @@ def dynamic_scan(
     threaded through time; the other params are closed over, as in a hand-written
     ``lax.scan``. With *unlocked* params (initialization), step 0 runs in
     Python so parameters can be created, and the remaining steps run in ``lax.scan``.
+    Inside ``jax.shard_map`` the initial carry is cast (``jax.lax.pcast(...,
+    to='varying')``) to the manual axes one step's outputs vary over, so a state that is
+    the same on every shard (zeros, or a state passed in replicated) needs no cast.
 
     Args and returns: as `static_scan`.
     """

@@ -41,6 +41,25 @@ def _large_negative(dtype: Any) -> jax.Array:
     return jnp.asarray(-0.7 * m, dtype=dtype)
 
 
+def dropout_keep_mask(
+    key: jax.Array, dropout_rate: float, heads: jax.Array, shape: tuple[int, int, int]
+) -> jax.Array:
+    """The attention-dropout keep-mask of the query heads `heads` (global head indices,
+    an int ``(n,)`` array), ``(B, n, T, S)`` for ``shape = (B, T, S)``.
+
+    Head ``h`` draws its own mask, ``jax.random.bernoulli(jax.random.fold_in(key, h),
+    1 - dropout_rate, (B, T, S))``, so a device of a tensor-parallel layer draws only
+    its own heads' bits and they equal the unsharded layer's bits for those heads.
+    """
+    b, t, s = shape
+    keep_p = 1.0 - dropout_rate
+
+    def one(h: jax.Array) -> jax.Array:
+        return jax.random.bernoulli(jax.random.fold_in(key, h), keep_p, (b, t, s))
+
+    return jnp.moveaxis(jax.vmap(one)(heads), 0, 1)
+
+
 def attention_written_out(
     q: jax.Array,
     k: jax.Array,
@@ -56,8 +75,9 @@ def attention_written_out(
     ``q (B, T, N, H)``, ``k, v (B, S, K, H)`` (``K`` key/value heads, each shared by
     ``N / K`` query heads), a boolean `mask` broadcastable to ``(B, N, T, S)``; logits
     and softmax in float32 (float64 for float64 inputs). `keep`, a boolean dropout
-    keep-mask of ``B * N * T * S`` elements in ``(B, K, N / K, T, S)`` order, zeroes
-    the dropped weights and scales the kept ones by ``1 / (1 - dropout_rate)``.
+    keep-mask ``(B, N, T, S)`` (`dropout_keep_mask`; query head ``n`` is key/value head
+    ``n // (N / K)``), zeroes the dropped weights and scales the kept ones by
+    ``1 / (1 - dropout_rate)``.
     Returns ``(B, T, N, H)``.
     """
     b, t, n, h = q.shape
@@ -154,7 +174,10 @@ class MultiHeadAttention(Module):
       output_size: the output feature size (default D).
       use_bias: biases in the four projections.
       dropout_rate: dropout on the attention weights, applied only when
-        ``is_training`` (it draws one key from `rng` per call).
+        ``is_training``. It draws one key from `rng` per call, and query head ``h``
+        keeps the weights where ``jax.random.bernoulli(jax.random.fold_in(key, h),
+        1 - dropout_rate, (B, T, S))`` is true (so the tensor-parallel layer, which
+        draws only its own heads, drops the same weights).
       use_rope: apply rotary position embeddings (`apply_rotary`) to q and k.
       rope_base: the RoPE base.
       kernel_init, bias_init: for the projections; default LeCun normal (fan-in) and
@@ -536,6 +559,7 @@ class MultiHeadAttention(Module):
         keep = None
         if key is not None:
             b, t, n, _ = q.shape
-            s, kh = k.shape[1], k.shape[2]
-            keep = jax.random.bernoulli(key, 1.0 - self.dropout_rate, (b, kh, n // kh, t, s))
+            s = k.shape[1]
+            heads = jnp.arange(n, dtype=jnp.int32)
+            keep = dropout_keep_mask(key, self.dropout_rate, heads, (b, t, s))
         return attention_written_out(q, k, v, mask, causal, keep, self.dropout_rate)

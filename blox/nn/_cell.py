@@ -28,6 +28,7 @@ import numpy as np
 from blox.core import Graph, Params, RecurrenceBase
 from blox.core._module import stored_shape_error, torch_weight_hint
 from blox.core._params import Path, format_path
+from blox.core._sequence import vary_like
 from blox.core._sharding import zeros_on_batch
 from blox.nn._dtype import compute_dtype
 
@@ -143,12 +144,18 @@ class CellBase(RecurrenceBase):
           ``(state, params)``, a pair: every field of the state is zeros ``[B, H]`` in
           the compute dtype (see `Linear`). Unpack it, ``state, params =
           cell.initial_state(params, x_t)``, and pass ``state`` as ``prev_state``.
+          On an Explicit mesh the zeros take the input's batch sharding; inside
+          ``jax.shard_map`` they vary over the manual axes the input varies over, so
+          a hand-written ``lax.scan`` over the cell's steps accepts them as its carry.
         """
         x = jnp.asarray(jax.tree.leaves(inputs)[0])
         shape = (x.shape[0], self.hidden_size)
         dt = self._state_dtype(params, x)
-        # On an Explicit mesh the zeros take the batch sharding of the input.
-        state = self._STATE(*(zeros_on_batch(shape, dt, x) for _ in self._STATE._fields))
+        # On an Explicit mesh the zeros take the batch sharding of the input; inside
+        # shard_map they vary over the axes the input varies over (a lax.scan carry).
+        state = self._STATE(
+            *(vary_like(zeros_on_batch(shape, dt, x), x) for _ in self._STATE._fields)
+        )
         return state, params
 
     def _check_state(self, params: Params, prev_state: Any, inputs: Any) -> Any:

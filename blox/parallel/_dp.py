@@ -41,6 +41,49 @@ _BAD_RETURN = (
 )
 
 
+_HOST_BATCH = (
+    "make_dp_train_step: batch leaf {leaf} is {what}, but the mesh spans {n} processes. "
+    "Each process would pass its own rows where the step expects the global batch, and "
+    "the step would train on another batch without an error. Assemble the global batch "
+    "from every process's rows with blox.distributed.global_batch first:\n"
+    "    batch = blox.distributed.global_batch(\n"
+    "        local_rows, NamedSharding(mesh, P({axis!r})), global_batch_size)\n"
+    "    params, opt_state, metrics = step(params, opt_state, *batch)"
+)
+
+
+def _process_local(leaf: Any) -> str | None:
+    """What makes a batch leaf one process's data rather than a global array (None if
+    it is global): a host (NumPy) array, a jax.Array on this process's devices only, or,
+    under ``jax.jit``, a value traced from either (its type carries no mesh)."""
+    if not isinstance(leaf, jax.Array):
+        return f"a host {type(leaf).__name__}, not a global jax.Array"
+    if isinstance(leaf, jax.core.Tracer):
+        mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
+        if mesh is not None and mesh.empty:
+            return (
+                "traced from a host (NumPy) array or a process-local jax.Array (it is not "
+                "placed on the mesh)"
+            )
+        return None
+    if leaf.is_fully_addressable:
+        return "a process-local jax.Array (on this process's devices only)"
+    return None
+
+
+def _check_global_batch(batch: Any, mesh: Mesh, axis: str) -> None:
+    """With a mesh over several processes, refuses batch leaves that hold one process's
+    rows (see `_process_local`)."""
+    n = len({d.process_index for d in mesh.devices.flat})
+    if n < 2:
+        return
+    for kp, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        what = _process_local(leaf)
+        if what is not None:
+            name = f"batch{jax.tree_util.keystr(kp)}"
+            raise ValueError(_HOST_BATCH.format(leaf=name, what=what, n=n, axis=axis))
+
+
 def _unpack(out: Any, has_aux: bool, where: str) -> tuple[jax.Array, Any, Params]:
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Params)):
         raise TypeError(_BAD_RETURN.format(where=where, got=type(out).__name__))
@@ -137,7 +180,9 @@ def dp_value_and_grad(
     loss averages over, e.g. ``jnp.sum(mask)``), the loss, the gradients and the
     floating aux leaves are ``sum_i w_i x_i / sum_i w_i`` over all microbatches of all
     shards: the large-batch masked mean, however unevenly padding falls. A microbatch of
-    weight 0 contributes 0 (even a NaN loss); a total weight of 0 gives 0. Integer aux
+    weight 0 (an all-padding microbatch or shard) contributes 0 to the loss *and* to the
+    gradients, even when its loss is NaN (a masked mean over no rows is ``0 / 0``); a
+    total weight of 0 gives 0. Integer aux
     leaves are summed; ``aux['weight']`` returns the global total.
 
     Non-trainable state: leaves that come out varying over `axis` (e.g. `BatchNorm`
@@ -199,6 +244,11 @@ def dp_value_and_grad(
                 return scaled, (loss, aux, w, new.split(predicate)[1])
 
             grads, (loss, aux, w, new_nt) = jax.grad(inner, has_aux=True)(trainable_v)
+            if w is not None:
+                # A weight-0 microbatch (all padding) contributes nothing: its masked-mean
+                # loss is 0/0, and the `where` in `inner` zeroes the loss but not its
+                # gradients (0 * inf = NaN in the backward), so they are dropped here.
+                grads = jax.tree.map(lambda g: jnp.where(w > 0, g, jnp.zeros((), g.dtype)), grads)
             if w is None:
                 terms = (loss / jnp.asarray(k * size, loss.dtype), _aux_terms(aux, None, k * size))
             else:
@@ -352,8 +402,16 @@ def make_dp_train_step(
       ``step``; ``metrics`` is ``{'loss': loss}`` plus the aux dict's entries (or
       ``'aux'`` for a non-dict aux).
 
+    Multi-process runs: when the mesh spans several processes, every batch leaf must be
+    a global ``jax.Array`` on the mesh (`blox.distributed.global_batch` assembles it from
+    each process's rows). A host (NumPy) array or a process-local ``jax.Array``, passed
+    directly or traced by ``jax.jit``, raises a ``ValueError`` naming the leaf and
+    `blox.distributed.global_batch`: JAX would take each process's rows for the same
+    replicated value and train on another batch, silently.
+
     Raises:
-      ValueError: `axis` not in the mesh; a batch not divisible by data x microbatches.
+      ValueError: `axis` not in the mesh; a batch not divisible by data x microbatches;
+        a batch leaf of one process's rows when the mesh spans several processes.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -380,6 +438,7 @@ def make_dp_train_step(
             raise TypeError(
                 f"make_dp_train_step: params must be bx.Params, got {type(params).__name__}."
             )
+        _check_global_batch(batch, mesh, axis)
         for kp, leaf in jax.tree_util.tree_leaves_with_path(batch):
             shape = tuple(jnp.shape(leaf))
             if not shape or shape[0] % (dp * microbatches):

@@ -33,7 +33,7 @@ from jax.typing import ArrayLike
 from blox.core import Graph, Module, Params, Rng
 from blox.core._sharding import row_out_sharding as _row_out_sharding
 from blox.nn import Dropout, apply_rotary
-from blox.nn._attention import attention_written_out, check_attention_config
+from blox.nn._attention import attention_written_out, check_attention_config, dropout_keep_mask
 from blox.nn._dtype import compute_dtype
 from blox.nn._transformer import make_norm, pre_norm_residual
 from blox.parallel._mesh import bound_axes, check_vma_enabled
@@ -341,9 +341,9 @@ class ParallelMultiHeadAttention(Module):
       head_dim: H (default D // N).
       output_size: default D.
       use_bias, dropout_rate, use_rope, rope_base, kernel_init, bias_init, dtype,
-        param_dtype: as `MultiHeadAttention`. Attention dropout draws the mask of all N
-        heads from the same key and keeps this device's heads, so it equals the
-        unsharded layer's.
+        param_dtype: as `MultiHeadAttention`. Attention dropout draws only this
+        device's heads' masks, each from the head's own key (``fold_in(key, h)``, as
+        `MultiHeadAttention` draws it), so it equals the unsharded layer's.
 
     Parameters: as `MultiHeadAttention` (``query``, ``key``, ``value``, ``out``, each a
     ``kernel`` and a ``bias``); rules in `transformer_tp_rules`. No KV cache (decode).
@@ -553,16 +553,13 @@ class ParallelMultiHeadAttention(Module):
         return out
 
     def _keep_mask(self, key, bts, nl, idx) -> jax.Array:
-        """The dropout keep-mask of this device's heads, cut from the mask of all N heads
-        drawn as `MultiHeadAttention` draws it (so both layers drop the same weights)."""
-        b, t, s = bts
-        n, k = self.num_heads, self.num_kv_heads
-        g = n // k
-        keep = jax.random.bernoulli(key, 1.0 - self.dropout_rate, (b, k, g, t, s))
-        keep = keep.reshape(b, n, t, s)
+        """The dropout keep-mask ``(B, nl, T, S)`` of this device's heads only, each head
+        drawn from its own key as `MultiHeadAttention` draws it (the same bits; the mask
+        of all N heads is never drawn)."""
+        heads = jnp.arange(nl, dtype=jnp.int32)
         if idx is not None:
-            keep = jax.lax.dynamic_slice_in_dim(keep, idx * nl, nl, 1)
-        return keep
+            heads = heads + (idx * nl).astype(jnp.int32)
+        return dropout_keep_mask(key, self.dropout_rate, heads, bts)
 
     def _attend(self, q, k, v, mask, causal, keep) -> jax.Array:
         """The math of ``jax.nn.dot_product_attention`` (as `MultiHeadAttention` writes it

@@ -322,8 +322,8 @@ def test_attention_dropout_matches_hand_written_lax_and_only_in_training():
     y_eval, p3 = attn(params, x, is_causal=True, is_training=False)
     assert int(rng.get_counter(p3)) == counter
 
-    # Reference: the documented math in jax.lax, mask key = fold_in(seed, counter) drawn
-    # over the logits laid out (B, K, G, T, S).
+    # Reference: the documented math in jax.lax, mask key = fold_in(seed, counter); query
+    # head h = K-index * G + G-index draws its (B, T, S) mask from fold_in(key, h).
     w = {m: params[(*P, m, "kernel")].value for m in ("query", "key", "value", "out")}
     bias = {m: params[(*P, m, "bias")].value for m in ("query", "key", "value", "out")}
     h = d // n
@@ -335,7 +335,10 @@ def test_attention_dropout_matches_hand_written_lax_and_only_in_training():
     logits = jnp.where(causal, logits, -0.7 * np.finfo(np.float32).max)
     probs = jax.nn.softmax(logits, axis=-1)
     key = jax.random.fold_in(rng.get_seed(params), counter)
-    keep = jax.random.bernoulli(key, 1 - rate, probs.shape)
+    per_head = [
+        jax.random.bernoulli(jax.random.fold_in(key, i), 1 - rate, (b, t, t)) for i in range(n)
+    ]
+    keep = jnp.stack(per_head, axis=1).reshape(probs.shape)
     probs_drop = jnp.where(keep, probs / (1 - rate), 0.0)
 
     def finish(p):

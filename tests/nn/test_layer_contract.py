@@ -11,7 +11,9 @@
 * the params placed by the row's sharding rules on a 2x4 ``('data', 'model')`` mesh, the
   input's batch over ``'data'``: under ``jax.jit`` on an Explicit and on an Auto mesh the
   outputs and params equal the unsharded single-device run (float32, highest matmul
-  precision), and on the Explicit mesh the returned params keep their shardings.
+  precision), and on the Explicit mesh the returned params keep their shardings;
+* inside ``jax.shard_map`` over a data axis, under ``make_dp_train_step`` and as a
+  ``pipeline_value_and_grad`` stage, against single-device runs (see "parallel" below).
 
 References are independent of the transformation under test: the eager single-device call
 (itself checked against PyTorch / NumPy in the per-layer test files), a Python loop, the
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import blox as bx
 from blox import parallel as bp
@@ -137,6 +140,8 @@ def test_the_table_covers_every_public_nn_module():
     missing = sorted(n for n, cls in public_modules().items() if cls not in covered)
     assert not missing, f"blox.nn layers without a row in tests/nn/layer_table.py: {missing}"
     assert len(set(IDS)) == len(IDS), "row names must be unique"
+    stale = sorted(_STATELESS_STAGES - set(IDS))
+    assert not stale, f"_STATELESS_STAGES names rows the table lacks: {stale}"
     for d in DESCRIPTORS:
         assert (d.bad is None) != (not d.no_bad_reason), (
             f"row {d.name}: give a wrong input (bad=...) or say why there is none"
@@ -297,3 +302,208 @@ def test_wrong_rules_are_named():
     b = built("Linear")
     with pytest.raises(ValueError, match=re.escape(f"'{PATH}/bias'")):
         bp.param_specs(b.params, (("kernel", (None, "model")), RNG), mesh("auto"))
+
+
+# ----------------------------------------------------------------------------- parallel
+#
+# Every row inside the parallel runtimes, each against a single-device reference:
+# (a) `jax.shard_map` over a 2-device data axis: each shard's outputs and params equal the
+#     single-device call on that shard (`jax.vmap` over the two shards, itself checked
+#     against a Python loop above). Explicit mesh only: inside `shard_map` every axis is
+#     manual, so the program is the same on an Auto mesh.
+# (b) `make_dp_train_step` (SGD, lr 1) on an Explicit and an Auto mesh (the step's code
+#     outside `shard_map` differs): the loss and the updated params equal the mean over the
+#     shards of single-device `value_and_grad` results, no DP code involved.
+# (c) a two-stage `pipeline_value_and_grad` (1F1B, 2 microbatches) whose stages each run
+#     the layer: loss, stage gradients and non-trainable state equal the same stages run
+#     one after the other on one device under plain `jax.value_and_grad`.
+#
+# The deep composite (`eager=False`: YOLOBackboneNeck) is left out: its blocks have rows.
+# (c) also leaves out the rows in `_STATELESS_STAGES`: a stateless function of (params,
+# x) with no scan carry, no non-trainable state, no randomness, float inputs and no
+# attention, whose stage runs the same pipeline code as the Linear row (which is checked);
+# a new row is checked unless it is added there.
+
+_PARALLEL_ROWS = [d.name for d in DESCRIPTORS if d.eager]
+_STATELESS_STAGES = {
+    "MLP",
+    "Conv2d-row-NCHW",
+    "Conv1d-depthwise-causal",
+    "ConvTranspose2d-grouped",
+    "ConvTranspose1d-torch-layout",
+    "LearnedPositionalEmbedding",
+    "SinusoidalPositionalEncoding",
+    "LayerNorm",
+    "RMSNorm",
+    "GroupNorm",
+    "PReLU",
+    "ConvBNSiLU",  # its BatchNorm has the BatchNorm rows; C2f / SPPF: ConvBNSiLU blocks
+    "C2f",
+    "SPPF",
+    "max_pool",
+    "avg_pool",
+    "upsample",
+}
+_PIPELINE_ROWS = [n for n in _PARALLEL_ROWS if n not in _STATELESS_STAGES]
+
+N_SHARDS = 2
+
+
+@functools.cache
+def axis_mesh(kind: str, axis: str):
+    t = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[kind]
+    return jax.make_mesh((N_SHARDS,), (axis,), devices=jax.devices()[:N_SHARDS], axis_types=(t,))
+
+
+def _split(tree, n: int):
+    """``(B, ...)`` leaves -> ``(n, B / n, ...)``."""
+    return jax.tree.map(lambda a: a.reshape((n, a.shape[0] // n) + a.shape[1:]), tree)
+
+
+def _place(tree, m, spec):
+    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(m, spec)), tree)
+
+
+def _sq_loss(y) -> jax.Array:
+    return sum(jnp.mean(jnp.square(v.astype(jnp.float32))) for v in _floats(y))
+
+
+@pytest.mark.parametrize("name", _PARALLEL_ROWS)
+def test_inside_shard_map_each_shard_equals_the_single_device_run(name):
+    kind = "explicit"
+    b = built(name)
+    m = axis_mesh(kind, "data")
+
+    def per_shard(params, x):
+        y, new = b.call(params, x)
+        return y, jax.tree.map(lambda v: v[None], new)  # params stacked over the shards
+
+    sm = jax.shard_map(
+        per_shard, mesh=m, in_specs=(P(), P("data")), out_specs=(P("data"), P("data"))
+    )
+    with jax.default_matmul_precision("highest"):
+        y, new = jax.jit(sm)(_place(b.params, m, P()), _place(b.x, m, P("data")))
+        ref_y, ref_new = jax.jit(jax.vmap(b.call, in_axes=(None, 0)))(
+            b.params, _split(b.x, N_SHARDS)
+        )
+    _assert_close(_split(y, N_SHARDS), ref_y, f"{kind} shard_map outputs", **F32_DEEP)
+    _assert_close(new, ref_new, f"{kind} shard_map params", **F32_DEEP)
+
+
+def _dp_reference(b, x):
+    """One SGD step (lr 1) on the mean over the shards of each shard's single-device
+    loss and gradients (no DP code): floating non-trainable state averaged over them."""
+    train, rest = b.params.split()
+
+    def loss(t, x):
+        y, new = b.call(t.merge(rest), x)
+        return _sq_loss(y), new
+
+    (losses, news), grads = jax.vmap(jax.value_and_grad(loss, has_aux=True), in_axes=(None, 0))(
+        train, _split(x, N_SHARDS)
+    )
+    grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
+    new_train = jax.tree.map(lambda p, g: p - g, train, grads)
+
+    def settle(v):
+        return jnp.mean(v, axis=0) if jnp.issubdtype(v.dtype, jnp.floating) else v[0]
+
+    _, new_rest = jax.tree.map(settle, news).split()
+    return jnp.mean(losses), new_train.merge(new_rest)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+@pytest.mark.parametrize("name", _PARALLEL_ROWS)
+def test_make_dp_train_step_equals_the_mean_of_single_device_shard_steps(name, kind):
+    import optax
+
+    b = built(name)
+    m = axis_mesh(kind, "data")
+    tx = optax.sgd(1.0)
+
+    def loss_fn(params, x):
+        y, params = b.call(params, x)
+        return _sq_loss(y), params
+
+    step = jax.jit(bp.make_dp_train_step(loss_fn, tx, m))
+    params = _place(b.params, m, P())
+    with jax.default_matmul_precision("highest"):
+        new, _, metrics = step(params, tx.init(params.split()[0]), b.x)
+        ref_loss, ref_new = jax.jit(_dp_reference, static_argnums=0)(b, b.x)
+    _assert_close(metrics["loss"], ref_loss, f"{kind} DP loss", **F32_DEEP)
+    _assert_close(new, ref_new, f"{kind} DP params", **F32_DEEP)
+
+
+def _per_example(y) -> jax.Array:
+    """``[B]``: each example's mean square over the floating output leaves."""
+    return sum(
+        jnp.mean(jnp.square(v.astype(jnp.float32)).reshape(v.shape[0], -1), axis=1)
+        for v in _floats(y)
+    )
+
+
+def _stage_params(b) -> bx.Params:
+    """Two stages: the row's params and a copy with its floating leaves halved."""
+    half = jax.tree.map(
+        lambda v: v * jnp.asarray(0.5, v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v,
+        b.params,
+    )
+    return bp.stack_stages([b.params, half])
+
+
+def _pipeline_reference(b, stages, x):
+    """The two stages one after the other on one device, microbatch by microbatch,
+    each stage's non-trainable state threaded through the microbatches in order."""
+    train, rest = stages.split()
+
+    def total(train):
+        params = [jax.tree.map(lambda v, s=s: v[s], train.merge(rest)) for s in range(N_SHARDS)]
+        losses = []
+        xs = _split(x, N_SHARDS)
+        for j in range(N_SHARDS):
+            x_mb = jax.tree.map(lambda a, j=j: a[j], xs)
+            acc = 0.0
+            for s in range(N_SHARDS):
+                y, params[s] = b.call(params[s], x_mb)
+                acc = acc + _per_example(y)
+            losses.append(jnp.mean(acc))
+        new = jax.tree.map(lambda *v: jnp.stack(v), *params)
+        return sum(losses) / len(losses), new
+
+    (loss, new), grads = jax.value_and_grad(total, has_aux=True)(train)
+    return loss, grads, new
+
+
+@pytest.mark.parametrize("name", _PIPELINE_ROWS)
+def test_as_a_pipeline_stage_equals_the_stages_run_one_after_the_other(name):
+    b = built(name)
+    m = axis_mesh("explicit", "stage")
+    float_in = b.desc.float_input
+
+    def stage_fn(params, h):
+        x, acc = h
+        x_in = x if float_in else jax.tree.map(lambda a: a.astype(jnp.int32), x)
+        y, params = b.call(params, x_in)
+        return (x, acc + _per_example(y)), params
+
+    def last_fn(shared, h, _):
+        return jnp.mean(h[1]), shared
+
+    step = bp.pipeline_value_and_grad(
+        stage_fn, last_fn, m, schedule="1f1b", num_microbatches=N_SHARDS
+    )
+    stages = _stage_params(b)
+    shared = bx.Params().locked()
+    # The activation: the row's input (tokens as floats) and a [B] running sum.
+    batch = jax.tree.leaves(b.x)[0].shape[0]
+    h = jax.tree.map(lambda a: a.astype(jnp.float32), b.x)
+    inputs = (h, jnp.zeros((batch,), jnp.float32))
+    targets = jnp.zeros((batch,), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        loss, (grads, _), (new, _) = jax.jit(step)(stages, shared, inputs, targets)
+        ref_loss, ref_grads, ref_new = jax.jit(_pipeline_reference, static_argnums=0)(
+            b, stages, b.x
+        )
+    _assert_close(loss, ref_loss, "pipeline loss", **F32_DEEP)
+    _assert_close(grads, ref_grads, "pipeline stage gradients", **F32_DEEP)
+    _assert_close(new, ref_new, "pipeline stage params", **F32_DEEP)

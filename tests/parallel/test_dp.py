@@ -207,10 +207,49 @@ def test_accumulation_times_dp_equals_one_large_batch_update(dp, k, masked):
     _close(new.split()[0], ref_p)
 
 
-def test_microbatches_hold_different_numbers_of_real_tokens():
-    _, _, _, _, mask = _masked_setup()
-    per_micro = np.asarray(mask).reshape(8, -1).sum(axis=1)  # dp 2 x k 4: 8 microbatches
-    assert len(set(per_micro.tolist())) > 1, per_micro
+@pytest.mark.standard_promotion
+def test_weight_gives_the_token_mean_and_no_weight_the_mean_of_microbatch_means():
+    """dp 2 x k 4 = 8 microbatches of 4 rows holding different numbers of real tokens:
+    with ``aux['weight']`` the gradient is the masked mean over all real tokens; without
+    it every microbatch counts equally: the mean of the 8 microbatch masked means. Both
+    references are plain ``jax.value_and_grad`` on one device (the microbatches cut with
+    NumPy), and they differ, so each path is told apart from the other."""
+    fc, params, x, y, mask = _masked_setup()
+
+    def masked_mean(p, x, y, m):
+        y_hat, p = fc(p, x, precision="highest")
+        err = jnp.sum((y_hat - y) ** 2, axis=-1)
+        return jnp.sum(jnp.where(m, err, 0.0)) / jnp.sum(m).astype(jnp.float32), p
+
+    def weighted(p, x, y, m):
+        loss, p = masked_mean(p, x, y, m)
+        return (loss, {"weight": jnp.sum(m)}), p
+
+    def unweighted(p, x, y, m):
+        loss, p = masked_mean(p, x, y, m)
+        return (loss, {}), p
+
+    t = params.split()[0]
+    chunks = [slice(4 * c, 4 * c + 4) for c in range(8)]  # shard-major, as the rows split
+    with jax.default_matmul_precision("highest"):
+        ref_tokens = jax.value_and_grad(lambda t: masked_mean(t, x, y, mask)[0])(t)
+        ref_means = jax.value_and_grad(
+            lambda t: sum(masked_mean(t, x[c], y[c], mask[c])[0] for c in chunks) / 8
+        )(t)
+        mesh = _mesh(2)
+        rep = jax.device_put(params, NamedSharding(mesh, P()))
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))  # noqa: E731
+        got = {}
+        for name, fn in (("tokens", weighted), ("means", unweighted)):
+            f = bp.dp_value_and_grad(fn, microbatches=4, has_aux=True)
+            sm = jax.shard_map(f, mesh=mesh, in_specs=(P(),) + (P("data"),) * 3, out_specs=P())
+            (loss, _), grads, _ = jax.jit(sm)(rep, put(x), put(y), put(mask))
+            got[name] = (loss, grads)
+    gap = abs(float(ref_tokens[0]) - float(ref_means[0]))
+    assert gap > 100 * F32["atol"] + F32["rtol"] * abs(float(ref_means[0])), gap
+    for name, ref in (("tokens", ref_tokens), ("means", ref_means)):
+        np.testing.assert_allclose(float(got[name][0]), float(ref[0]), **F32, err_msg=name)
+        _close(got[name][1], ref[1])
 
 
 @pytest.mark.standard_promotion

@@ -47,7 +47,8 @@ def _block_pair(x, **kw):
 
 def _sharded_call(tp, params, mesh, rules, call_kw, x_spec=None):
     x_spec = P("data") if x_spec is None else x_spec
-    specs = bp.param_specs(params, rules, mesh)
+    # allow_unused: the block's rules also cover layers an attention-only model lacks.
+    specs = bp.param_specs(params, rules, mesh, allow_unused=True)
     cot = _x(7, (B, T, D))
 
     def fwd(p, x):
@@ -67,7 +68,7 @@ def _sharded_call(tp, params, mesh, rules, call_kw, x_spec=None):
             body, mesh=mesh, in_specs=(specs, x_spec, x_spec), out_specs=(x_spec, t_specs)
         )
     )
-    ps = jax.device_put(params, bp.param_shardings(params, rules, mesh))
+    ps = jax.device_put(params, bp.param_shardings(params, rules, mesh, allow_unused=True))
     put = lambda a: jax.device_put(a, NamedSharding(mesh, x_spec))  # noqa: E731
     return f, ps, put, cot
 
@@ -188,8 +189,8 @@ def test_attention_masks_by_rank_as_multi_head_attention_on_2x4():
         name="attn",
     )
     mesh = bp.make_mesh((2, 4), ("data", "model"))
-    specs = bp.param_specs(params, RULES, mesh)
-    ps = jax.device_put(params, bp.param_shardings(params, RULES, mesh))
+    specs = bp.param_specs(params, RULES, mesh, allow_unused=True)  # attention only
+    ps = jax.device_put(params, bp.param_shardings(params, RULES, mesh, allow_unused=True))
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))  # noqa: E731
     f = jax.jit(
         jax.shard_map(
@@ -307,7 +308,8 @@ def test_errors_heads_hidden_unsharded_params_and_check_vma():
     with pytest.raises(ValueError, match=r"local shape \(16, 8\), expected \(16, 2\)"):
         f(jax.device_put(mp, NamedSharding(mesh, P())), put(x))
     # check_vma=False.
-    tp_specs = bp.param_specs(mp, bp.transformer_tp_rules() + [("rng/.*", None)], mesh)
+    mlp_rules = bp.transformer_tp_rules() + [("rng/.*", None)]  # the MLP's rules are used
+    tp_specs = bp.param_specs(mp, mlp_rules, mesh, allow_unused=True)
     f = jax.shard_map(
         lambda p, x: mlp(p, x)[0],
         mesh=mesh,
@@ -317,8 +319,51 @@ def test_errors_heads_hidden_unsharded_params_and_check_vma():
     )
     with pytest.raises(ValueError, match="need jax.shard_map.*check_vma=True"):
         f(
-            jax.device_put(
-                mp, bp.param_shardings(mp, bp.transformer_tp_rules() + [("rng/.*", None)], mesh)
-            ),
+            jax.device_put(mp, bp.param_shardings(mp, mlp_rules, mesh, allow_unused=True)),
             put(x),
         )
+
+
+def _random_bits_sizes(hlo: str) -> list[int]:
+    """Element counts of the unsigned-integer tensors (random bits) in StableHLO text."""
+    sizes = []
+    for dims in re.findall(r"tensor<((?:\d+x)*)ui32>", hlo):
+        sizes.append(int(np.prod([int(d) for d in dims.split("x") if d], dtype=np.int64)))
+    return sizes
+
+
+@pytest.mark.parametrize("heads,kv,model,shard_kv", [(8, 8, 4, True), (4, 1, 4, False)])
+def test_attention_dropout_draws_only_the_local_heads_with_the_unsharded_bits(
+    heads, kv, model, shard_kv
+):
+    """Each device draws the keep-mask of its own heads only (the largest random-bits
+    tensor of the TP program is one device's heads, never all N), with the bits of the
+    unsharded layer: the TP output with dropout 0.5 equals `MultiHeadAttention`'s (one
+    differing mask element moves an output by O(1)), forward and gradients."""
+    x = _x(4)
+    ref, tp, params, _ = _pair(
+        lambda g, r: bx.MultiHeadAttention(
+            g, model_size=D, num_heads=heads, rng=r, num_kv_heads=kv, dropout_rate=0.5
+        ),
+        lambda g, r: bp.ParallelMultiHeadAttention(
+            g, model_size=D, num_heads=heads, rng=r, num_kv_heads=kv, dropout_rate=0.5
+        ),
+        x,
+        name="attn",
+    )
+    mesh = bp.make_mesh((1, model), ("data", "model"), devices=jax.devices()[:model])
+    rules = bp.transformer_tp_rules(shard_kv=shard_kv) + [("rng/(seed|counter)", None)]
+    kw = dict(is_causal=True, is_training=True)
+    with jax.default_matmul_precision("highest"):
+        f, ps, put, cot = _sharded_call(tp, params, mesh, rules, kw)
+        y, grads = f(ps, put(x), put(cot))
+        _check(ref, params, x, kw, y, grads, cot)
+        hlo = f.lower(ps, put(x), put(cot)).as_text()
+        ref_hlo = jax.jit(lambda p, x: ref(p, x, **kw)[0]).lower(params, x).as_text()
+    y_eval = ref(params, x, is_causal=True, is_training=False)[0]
+    assert not np.allclose(np.asarray(y), np.asarray(y_eval))  # the dropout is on
+    all_heads, local = B * heads * T * T, B * (heads // model) * T * T
+    assert all_heads in _random_bits_sizes(ref_hlo)  # the unsharded layer draws all N heads
+    sizes = _random_bits_sizes(hlo)
+    assert local in sizes, sizes
+    assert max(sizes) == local, f"the TP program draws {max(sizes)} bits, > {local}: {sizes}"

@@ -1,0 +1,44 @@
+"""The DP step in a 2-process group (``python -m blox.launch -n 2``): each process's host
+rows passed straight to the step would train on another batch without an error, so they
+are refused with an error naming `blox.distributed.global_batch`; the global batch it
+assembles trains as one process would over all rows (reference: plain
+``jax.value_and_grad`` on one device, in the worker)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.scripts import ROOT
+
+WORKER = "tests/parallel/_dp_host_worker.py"
+
+
+@pytest.mark.slow
+def test_host_rows_are_refused_and_the_global_batch_trains_across_two_processes():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOX_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "blox.launch", "-n", "2", "--devices-per-process", "2", WORKER],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        tag = f"[{rank}] result="
+        (line,) = [s[len(tag) :] for s in proc.stdout.splitlines() if s.startswith(tag)]
+        got = json.loads(line)
+        for how in ("jit_numpy", "eager_numpy", "jit_local_array", "auto_jit_numpy"):
+            msg = got[how]
+            assert msg is not None, f"rank {rank}: {how} was not refused"
+            assert "blox.distributed.global_batch" in msg, msg
+            assert "batch[0]" in msg and "spans 2 processes" in msg, msg
+        np.testing.assert_allclose(got["loss"], got["ref_loss"], rtol=1e-5)
+        np.testing.assert_allclose(got["kernel"], got["ref_kernel"], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,118 @@
+"""A data shard or microbatch of weight 0 (all padding) under a masked-mean loss: its loss
+is ``0 / 0 = NaN``, and it must contribute nothing, to the loss *and* to the gradients.
+
+Reference: plain ``jax.value_and_grad`` on one device of the masked mean over the real
+rows only (the padding rows removed with NumPy, so no mask, no NaN, no DP code)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import blox as bx
+from blox import parallel as bp
+from tests.tolerances import tol
+
+F32 = tol(jnp.float32)
+ROWS, T, VOCAB, WIDTH = 16, 4, 5, 8
+
+
+def _setup():
+    """A tiny token model (embed, tanh, linear head), ``[B, T]`` tokens and a padding
+    mask whose last 4 rows (one shard at dp 4, one microbatch at k 4) are all padding."""
+    r = np.random.default_rng(7)
+    x = r.integers(0, VOCAB, (ROWS, T)).astype(np.int32)
+    mask = np.arange(T)[None, :] < r.integers(1, T + 1, ROWS)[:, None]
+    mask[-4:] = False
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    embed = bx.Embed(g / "embed", VOCAB, WIDTH, rng)
+    head = bx.Linear(g / "head", VOCAB, rng)
+
+    def model(p, tokens):
+        h, p = embed(p, tokens)
+        return head(p, jnp.tanh(h), precision="highest")
+
+    params = model(rng.seed(bx.Params(), seed=0), jnp.asarray(x))[1].locked()
+    return model, params, x, mask
+
+
+def _per_token(model, p, x):
+    logits, p = model(p, x)
+    targets = jnp.roll(x, -1, axis=1)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets), p
+
+
+def _masked_mean_loss(model):
+    """The usual masked mean ``sum(ce * mask) / sum(mask)``, as users write it (no
+    ``maximum(count, 1)`` guard): ``0 / 0 = NaN`` for an all-padding part, and NaN
+    gradients there (in the backward, ``0 / 0`` times the mask)."""
+
+    def loss_fn(p, x, m):  # m: float 0/1 weights (a bool mask becomes a select in XLA)
+        ce, p = _per_token(model, p, x)
+        w = jnp.sum(m)
+        return (jnp.sum(ce * m) / w, {"weight": w}), p
+
+    return loss_fn
+
+
+def _reference(model, params, x, mask):
+    """Mean cross-entropy over the real tokens only (NumPy picks them: no mask, no NaN)."""
+    rows = mask.any(axis=1)
+    xr, mr = jnp.asarray(x[rows]), mask[rows]
+
+    def loss(t):
+        ce, _ = _per_token(model, t, xr)
+        return jnp.mean(ce[mr])
+
+    return jax.value_and_grad(loss)(params.split()[0])
+
+
+def _close(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), **F32)
+
+
+@pytest.mark.parametrize("dp,k", [(4, 1), (2, 2)])
+def test_an_all_padding_shard_or_microbatch_gives_the_real_rows_gradients(dp, k):
+    model, params, x, mask = _setup()
+    loss_fn = _masked_mean_loss(model)
+    mesh = bp.make_mesh((dp,), ("data",), devices=jax.devices()[:dp])
+    f = bp.dp_value_and_grad(loss_fn, microbatches=k, has_aux=True)
+    spec = P("data")
+    run = jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=(P(), spec, spec), out_specs=(P(), P(), P()))
+    )
+    with jax.default_matmul_precision("highest"):
+        (loss, aux), grads, _ = run(
+            jax.device_put(params, NamedSharding(mesh, P())),
+            *(
+                jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
+                for a in (x, mask.astype(np.float32))
+            ),
+        )
+        ref_loss, ref_grads = _reference(model, params, x, mask)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads)), grads
+    np.testing.assert_allclose(float(loss), float(ref_loss), **F32)
+    assert float(aux["weight"]) == float(mask.sum())
+    _close(grads, ref_grads)
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("types", ["explicit", "auto"])
+def test_dp_train_step_with_an_all_padding_shard_updates_as_the_real_rows(types):
+    model, params, x, mask = _setup()
+    tx = optax.adam(0.1)  # adam turns one NaN gradient into NaN params
+    mesh = bp.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=types)
+    step = jax.jit(bp.make_dp_train_step(_masked_mean_loss(model), tx, mesh, has_aux=True))
+    t = params.split()[0]
+    rep = jax.device_put(params, NamedSharding(mesh, P()))
+    with jax.default_matmul_precision("highest"):
+        new, _, metrics = step(rep, tx.init(t), jnp.asarray(x), jnp.asarray(mask, jnp.float32))
+        ref_loss, ref_grads = _reference(model, params, x, mask)
+    ref_new = optax.apply_updates(t, tx.update(ref_grads, tx.init(t), t)[0])
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), **F32)
+    _close(new.split()[0], ref_new)
