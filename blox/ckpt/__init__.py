@@ -5,7 +5,8 @@
 that writes any pytree holding `blox.Params`, Optax state, arrays and Python numbers, plus
 a Grain iterator position, into one step directory, with a description (`describe`) of
 every leaf next to it. `restore` fills the structure you have (concrete or abstract) with
-the shardings of the current mesh and explains any mismatch (`RestoreMismatchError`).
+the shardings of the current mesh, explains any mismatch (`RestoreMismatchError`) and
+checks every array against the checksum saved with it (`CheckpointError`).
 `export_params` / `import_params` convert to and from nested dicts of NumPy arrays for
 porting weights from PyTorch or Flax. `CheckpointCallback` checkpoints a `blox.fit` run
 through a `CheckpointManager` and resumes it when the directory holds a checkpoint.
@@ -16,12 +17,14 @@ from blox.ckpt._describe import compare as compare
 from blox.ckpt._describe import describe as describe
 from blox.ckpt._dicts import export_params as export_params
 from blox.ckpt._dicts import import_params as import_params
+from blox.ckpt._errors import CheckpointError as CheckpointError
 from blox.ckpt._fit import CheckpointCallback as CheckpointCallback
 from blox.ckpt._manager import CheckpointManager as CheckpointManager
 from blox.ckpt._targets import abstract_target as abstract_target
 
 __all__ = [
     "CheckpointCallback",
+    "CheckpointError",
     "CheckpointManager",
     "RestoreMismatchError",
     "abstract_target",

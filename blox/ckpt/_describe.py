@@ -10,6 +10,7 @@ before reading a single array, so a mismatch is explained, never half-restored.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from importlib import metadata as _metadata
@@ -26,6 +27,7 @@ __all__ = ["RestoreMismatchError", "compare", "describe"]
 FORMAT = "blox.ckpt/1"
 
 
+@functools.cache
 def _version(dist: str) -> str:
     try:
         return _metadata.version(dist)
@@ -241,6 +243,11 @@ class RestoreMismatchError(ValueError):
             "or convert the weights with export_params/import_params. Pass "
             "allow_dtype_cast=True to restore into other dtypes on purpose."
         )
+        if self.unexpected and not (self.missing or self.mismatched or self.trainable):
+            lines.append(
+                "To restore only what the target holds (e.g. {'params': params} to "
+                "fine-tune), pass partial=True."
+            )
         return "\n".join(lines)
 
 
@@ -289,3 +296,44 @@ def compare(
 def to_json(description: Mapping[str, Any]) -> str:
     """The description as indented JSON text."""
     return json.dumps(description, indent=1, sort_keys=True)
+
+
+def _is_empty_node(x: Any) -> bool:
+    return x is None or (isinstance(x, (tuple, list, dict)) and len(x) == 0)
+
+
+def empty_nodes(tree: Any) -> set[str]:
+    """The names of the empty nodes of a tree (``None``, ``optax.EmptyState()``, ``()``,
+    ``{}``): structure that holds no leaf, which names alone do not show."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty_node)[0]
+    return {
+        jax.tree_util.keystr(kp, simple=True, separator="/") or "<root>"
+        for kp, x in flat
+        if _is_empty_node(x)
+    }
+
+
+def describe_saved_tree(tree: Any) -> dict[str, Any]:
+    """A description (`describe`'s ``leaves``) of a checkpoint written without one (plain
+    Orbax), from Orbax's metadata tree (``ArrayMetadata`` / ``ScalarMetadata`` leaves):
+    names, shapes and dtypes; no spec, no parameter flags, no checksums."""
+    leaves: dict[str, dict[str, Any]] = {}
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = jax.tree_util.keystr(kp, simple=True, separator="/") or "<root>"
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape is None or dtype is None:
+            leaves[name] = {"kind": type(leaf).__name__, "shape": [], "dtype": "unknown"}
+            continue
+        if type(leaf).__name__ == "ScalarMetadata":  # a Python number
+            kind = {"i": "int", "u": "int", "f": "float", "b": "bool"}.get(np.dtype(dtype).kind)
+            if kind is not None:
+                leaves[name] = {"kind": kind, "shape": [], "dtype": kind, "spec": None}
+                continue
+        kind = "array"
+        leaves[name] = {
+            "kind": kind,
+            "shape": [int(d) for d in shape],
+            "dtype": np.dtype(dtype).name,
+            "spec": None,
+        }
+    return {"format": "orbax", "mesh": None, "leaves": leaves}

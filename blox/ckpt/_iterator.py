@@ -27,11 +27,10 @@ def check_iterator(it: Any, where: str) -> None:
 
 
 def _is_loader_iterator(it: Any) -> bool:
-    try:
-        from grain._src.python.data_loader import DataLoaderIterator
-    except ImportError:  # pragma: no cover - grain is a dependency
-        return False
-    return isinstance(it, DataLoaderIterator)
+    import grain  # public since grain 0.2.x: grain.DataLoaderIterator
+
+    loader_iterator = getattr(grain, "DataLoaderIterator", None)
+    return loader_iterator is not None and isinstance(it, loader_iterator)
 
 
 class IteratorSnapshot:

@@ -59,6 +59,7 @@ def test_description_lists_versions_mesh_and_every_parameter(tmp_path):
         "shape": [],
         "dtype": "int32",
         "spec": None,
+        "checksum": "00000000-00000000",  # of the count 0 (tests/ckpt/test_integrity.py)
     }
     assert leaves["step"]["kind"] == "int"
     assert set(leaves) == {
@@ -67,8 +68,12 @@ def test_description_lists_versions_mesh_and_every_parameter(tmp_path):
         "opt_state/0/count",
         "step",
     }
-    # The file next to the arrays holds the same text.
+    # The files next to the arrays hold the same text (the checksums, computed while the
+    # step is written, in their own file).
     on_disk = json.loads((tmp_path / "4" / "blox" / "metadata").read_text())
+    sums = json.loads((tmp_path / "4" / "blox" / "checksums.json").read_text())
+    for name, value in sums.items():
+        on_disk["leaves"][name]["checksum"] = value
     assert on_disk == d
 
 

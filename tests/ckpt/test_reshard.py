@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 import blox as bx
 from blox import ckpt
@@ -43,10 +44,17 @@ def _model():
         params[("gpt", "shadow", "kernel")] = bx.Param(kernel.astype(jnp.bfloat16), trainable=False)
         return params.locked()
 
-    return init
+    def loss_fn(params, x, y):
+        h, params = embed(params, x)
+        h, params = block(params, h, is_causal=True, is_training=False)
+        logits, params = embed.attend(params, h)  # the tied output head
+        ll = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(ll, y[..., None], axis=-1)), params
+
+    return init, loss_fn
 
 
-INIT = _model()
+INIT, LOSS = _model()
 
 
 def _rules(mesh):
@@ -112,6 +120,7 @@ def saved(tmp_path_factory):
 
 
 def _check(restored, host, mesh) -> None:
+    """Bit-equal values, and every array laid out as the new mesh's rules say."""
     p_sh, o_sh = _shardings(1, mesh)
     want_shardings = {"params": p_sh, "opt_state": o_sh}
     assert restored["step"] == 2 and type(restored["step"]) is int
@@ -172,3 +181,55 @@ def test_restore_onto_another_mesh_abstract_target(saved, shape):
     with ckpt.CheckpointManager(directory) as mngr:
         restored = mngr.restore(abstract)
     _check(restored, host, mesh)
+
+
+# Issue 22 item 18: the documented recipe, restore(jax.eval_shape(init), mesh=new_mesh).
+# These parameters carry no metadata['sharding'] (ParallelTransformerBlock leaves the
+# layout to the rules), so nothing in the target says how to lay them out.
+
+
+def _abstract_state():
+    def init():
+        params = INIT(1)
+        return {"params": params, "opt_state": TX.init(params.split()[0]), "step": 0}
+
+    return {**jax.eval_shape(init), "step": 0}
+
+
+def test_eval_shape_recipe_without_rules_refuses_to_replicate(saved):
+    directory, _ = saved
+    mesh = _mesh((2, 4))
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)saved sharded .*would be replicated.*"
+        r"mlp/linear_0/kernel: saved as P\(None, 'model'\).*rules=",
+    ):
+        ckpt.CheckpointManager(directory).restore(_abstract_state(), mesh=mesh)
+
+
+@pytest.mark.standard_promotion  # the Adam update inside the step
+def test_eval_shape_recipe_with_rules_keeps_tp_and_trains(saved):
+    """Restored onto (2, 4) by rules: the layout the rules derive there (TP = 4), and the
+    TP step (shard_map over data x model, the restored layout as in_specs) gives the loss
+    of the saved parameters on one device without any mesh."""
+    directory, host = saved
+    mesh = _mesh((2, 4))
+    restored = ckpt.CheckpointManager(directory).restore(
+        _abstract_state(), mesh=mesh, rules=_rules(mesh)
+    )
+    _check(restored, host, mesh)
+    in_specs = jax.tree.map(lambda v: v.sharding.spec, restored["params"])
+    step = jax.jit(bp.make_dp_train_step(LOSS, TX, mesh, param_specs=in_specs))
+    rs = np.random.default_rng(0)
+    x = rs.integers(0, 11, (8, CONTEXT)).astype(np.int32)
+    y = np.roll(x, -1, axis=1)
+    batch = NamedSharding(mesh, PartitionSpec("data"))
+    with jax.default_matmul_precision("highest"):
+        _, _, metrics = step(
+            restored["params"],
+            restored["opt_state"],
+            jax.device_put(x, batch),
+            jax.device_put(y, batch),
+        )
+        want = LOSS(jax.tree.map(jnp.asarray, host["params"]), jnp.asarray(x), jnp.asarray(y))[0]
+    np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-6, atol=1e-6)
