@@ -22,7 +22,7 @@ PRIVATE = {"_get_value", "_struct", "_values", "_info", "_set", "_make", "_from_
 
 # Core-level code that reads or rebuilds the flat storage in bulk for speed: the
 # container's own package, the checkpoint targets/dicts/descriptions, and the sharding
-# rules and data-parallel gradients of blox.parallel. Everything else (every layer) uses
+# rules and data-parallel (DP, FSDP) gradients of blox.parallel. Everything else (every layer) uses
 # the public API.
 ALLOWED = {
     "blox/core",
@@ -30,6 +30,7 @@ ALLOWED = {
     "blox/ckpt/_dicts.py",
     "blox/ckpt/_targets.py",
     "blox/parallel/_dp.py",
+    "blox/parallel/_fsdp.py",
     "blox/parallel/_rules.py",
 }
 
