@@ -150,6 +150,92 @@ def _weight(aux: Any, loss: jax.Array) -> jax.Array | None:
     return None
 
 
+def accumulate_microbatches(
+    loss_fn: Callable,
+    trainable_v: Params,
+    rest: Params,
+    batch: tuple,
+    *,
+    k: int,
+    size: int,
+    names: tuple[str, ...],
+    has_aux: bool,
+    predicate: Callable | None,
+    where: str,
+    clean_state: Callable[[Params], Params] = lambda p: p,
+    clean_grads: Callable[[Params], Params] = lambda g: g,
+    reduced_inside: frozenset = frozenset(),
+) -> tuple[Any, Params]:
+    """The local (not yet reduced) sums of one shard's `k` microbatches, shared by the DP
+    and FSDP gradients: ``((grads, (loss, aux), weight), rest)``, weighted as `_weight`
+    says, with the non-trainable state threaded through the microbatches in order.
+
+    `clean_state` / `clean_grads` strip what the caller added to the params for the
+    forward (FSDP's shard marks) from the returned state and gradients.
+    `reduced_inside`: paths whose gradients the backward already summed over the axis
+    (FSDP's per-layer reduce-scatter); a weight-0 part zeroes only the other, local ones.
+    """
+
+    def one(nt, mb):
+        def inner(t):
+            loss, aux, new = _unpack(loss_fn(t.merge(nt), *mb), has_aux, where)
+            w = _weight(aux, loss)
+            if w is None:
+                scaled = loss / jnp.asarray(k * size, loss.dtype)
+            else:
+                w = jax.lax.stop_gradient(w)
+                scaled = jnp.where(w > 0, loss * w, jnp.zeros((), loss.dtype))
+            return scaled, (loss, aux, w, clean_state(new.split(predicate)[1]))
+
+        grads, (loss, aux, w, new_nt) = jax.grad(inner, has_aux=True)(trainable_v)
+        grads = clean_grads(grads)
+        if w is not None:
+            # A weight-0 microbatch (all padding) contributes nothing: its masked-mean
+            # loss is 0/0, and the `where` in `inner` zeroes the loss but not its
+            # gradients (0 * inf = NaN in the backward), so they are dropped here.
+            zero = lambda g: jnp.where(w > 0, g, jnp.zeros((), g.dtype))  # noqa: E731
+            values = tuple(
+                g if key in reduced_inside else zero(g)
+                for key, g in zip(grads.keys(), grads._values, strict=True)
+            )
+            grads = Params._make(grads._struct, values)
+        if w is None:
+            terms = (loss / jnp.asarray(k * size, loss.dtype), _aux_terms(aux, None, k * size))
+        else:
+            terms = (
+                jnp.where(w > 0, loss * w, jnp.zeros((), loss.dtype)),
+                _aux_terms(aux, w, k * size),
+            )
+        return (grads, terms, w), new_nt
+
+    if k == 1:
+        sums, rest = one(rest, batch)
+    else:
+        micro = split_batch(batch, k, where=where)
+        first = jax.tree.map(lambda x: x[0], micro)
+        # Carry types: state that comes out varying over the axis must go in varying.
+        for _ in range(3):
+            out = jax.eval_shape(one, rest, first)
+            promote = jax.tree.map(
+                lambda r, o: bool(varying_axes(o) - varying_axes(r)), rest, out[1]
+            )
+            if not any(jax.tree.leaves(promote)):
+                break
+            rest = jax.tree.map(lambda r, p: _to_varying(r, names) if p else r, rest, promote)
+        zeros = jax.tree.map(
+            lambda s: _to_varying(jnp.zeros(s.shape, s.dtype), tuple(varying_axes(s))),
+            out[0],
+        )
+
+        def body(carry, mb):
+            acc, nt = carry
+            new, nt = one(nt, mb)
+            return (jax.tree.map(jnp.add, acc, new), nt), None
+
+        (sums, rest), _ = jax.lax.scan(body, (zeros, rest), micro)
+    return sums, rest
+
+
 def dp_value_and_grad(
     loss_fn: Callable[..., Any],
     *,
@@ -232,58 +318,18 @@ def dp_value_and_grad(
         # insert a psum per microbatch (check_vma=True) and the one psum below is the sum.
         trainable_v = _to_varying(trainable, names)
 
-        def one(nt, mb):
-            def inner(t):
-                loss, aux, new = _unpack(loss_fn(t.merge(nt), *mb), has_aux, where)
-                w = _weight(aux, loss)
-                if w is None:
-                    scaled = loss / jnp.asarray(k * size, loss.dtype)
-                else:
-                    w = jax.lax.stop_gradient(w)
-                    scaled = jnp.where(w > 0, loss * w, jnp.zeros((), loss.dtype))
-                return scaled, (loss, aux, w, new.split(predicate)[1])
-
-            grads, (loss, aux, w, new_nt) = jax.grad(inner, has_aux=True)(trainable_v)
-            if w is not None:
-                # A weight-0 microbatch (all padding) contributes nothing: its masked-mean
-                # loss is 0/0, and the `where` in `inner` zeroes the loss but not its
-                # gradients (0 * inf = NaN in the backward), so they are dropped here.
-                grads = jax.tree.map(lambda g: jnp.where(w > 0, g, jnp.zeros((), g.dtype)), grads)
-            if w is None:
-                terms = (loss / jnp.asarray(k * size, loss.dtype), _aux_terms(aux, None, k * size))
-            else:
-                terms = (
-                    jnp.where(w > 0, loss * w, jnp.zeros((), loss.dtype)),
-                    _aux_terms(aux, w, k * size),
-                )
-            return (grads, terms, w), new_nt
-
-        if k == 1:
-            sums, rest = one(rest, batch)
-        else:
-            micro = split_batch(batch, k, where=where)
-            first = jax.tree.map(lambda x: x[0], micro)
-            # Carry types: state that comes out varying over the axis must go in varying.
-            for _ in range(3):
-                out = jax.eval_shape(one, rest, first)
-                promote = jax.tree.map(
-                    lambda r, o: bool(varying_axes(o) - varying_axes(r)), rest, out[1]
-                )
-                if not any(jax.tree.leaves(promote)):
-                    break
-                rest = jax.tree.map(lambda r, p: _to_varying(r, names) if p else r, rest, promote)
-            zeros = jax.tree.map(
-                lambda s: _to_varying(jnp.zeros(s.shape, s.dtype), tuple(varying_axes(s))),
-                out[0],
-            )
-
-            def body(carry, mb):
-                acc, nt = carry
-                new, nt = one(nt, mb)
-                return (jax.tree.map(jnp.add, acc, new), nt), None
-
-            (sums, rest), _ = jax.lax.scan(body, (zeros, rest), micro)
-
+        sums, rest = accumulate_microbatches(
+            loss_fn,
+            trainable_v,
+            rest,
+            batch,
+            k=k,
+            size=size,
+            names=names,
+            has_aux=has_aux,
+            predicate=predicate,
+            where=where,
+        )
         grads, (loss, aux), w = sums
         # The one all-reduce of the step (gradients, loss, metrics and weight together).
         reduce_axis = names if len(names) > 1 else names[0]

@@ -33,14 +33,11 @@ from blox.core._params import Path, _freeze, _make_info, _Structure, _thaw, form
 from blox.parallel._collectives import check_axis
 from blox.parallel._dp import (
     _aux_finish,
-    _aux_terms,
     _settle_state,
     _to_varying,
-    _unpack,
-    _weight,
-    split_batch,
+    accumulate_microbatches,
 )
-from blox.parallel._mesh import constrain, varying_axes
+from blox.parallel._mesh import constrain
 from blox.parallel._rng import fold_seeds, restore_seeds
 
 __all__ = [
@@ -544,6 +541,12 @@ def fsdp_value_and_grad(
     Replicated leaves (small, or without a divisible dimension) get local gradients and
     one all-reduce per step, with the loss and the metrics.
 
+    Padding: a shard or microbatch of weight 0 contributes nothing, as in
+    `dp_value_and_grad`. With ``'per_step'`` (and for replicated leaves) even an
+    unguarded masked mean (``0 / 0``) is safe. With ``'per_layer'`` the sharded leaves'
+    gradients are reduce-scattered inside the backward, before the weight is known, so a
+    NaN from ``0 / 0`` would reach every device: divide by ``jnp.maximum(count, 1)``.
+
     Args:
       loss_fn: as above.
       specs: the params' ``PartitionSpec`` tree (`fsdp_specs`); leaves sharded over
@@ -609,53 +612,21 @@ def fsdp_value_and_grad(
                 _to_varying(trainable, (name,)), {key: (name, d) for key, d in dims.items()}
             )
 
-        def one(nt, mb):
-            def inner(t):
-                loss, aux, new = _unpack(loss_fn(t.merge(nt), *mb), has_aux, where)
-                w = _weight(aux, loss)
-                if w is None:
-                    scaled = loss / jnp.asarray(k * size, loss.dtype)
-                else:
-                    w = jax.lax.stop_gradient(w)
-                    scaled = jnp.where(w > 0, loss * w, jnp.zeros((), loss.dtype))
-                return scaled, (loss, aux, w, _without_marks(new.split(predicate)[1]))
-
-            grads, (loss, aux, w, new_nt) = jax.grad(inner, has_aux=True)(trainable_v)
-            grads = Params._make(trainable._struct, grads._values)
-            if w is None:
-                terms = (loss / jnp.asarray(k * size, loss.dtype), _aux_terms(aux, None, k * size))
-            else:
-                terms = (
-                    jnp.where(w > 0, loss * w, jnp.zeros((), loss.dtype)),
-                    _aux_terms(aux, w, k * size),
-                )
-            return (grads, terms, w), new_nt
-
-        if k == 1:
-            sums, rest = one(rest, batch)
-        else:
-            micro = split_batch(batch, k, where=where)
-            first = jax.tree.map(lambda x: x[0], micro)
-            for _ in range(3):
-                out = jax.eval_shape(one, rest, first)
-                promote = jax.tree.map(
-                    lambda r, o: bool(varying_axes(o) - varying_axes(r)), rest, out[1]
-                )
-                if not any(jax.tree.leaves(promote)):
-                    break
-                rest = jax.tree.map(lambda r, p: _to_varying(r, (name,)) if p else r, rest, promote)
-            zeros = jax.tree.map(
-                lambda s: _to_varying(jnp.zeros(s.shape, s.dtype), tuple(varying_axes(s))),
-                out[0],
-            )
-
-            def body(carry, mb):
-                acc, nt = carry
-                new, nt = one(nt, mb)
-                return (jax.tree.map(jnp.add, acc, new), nt), None
-
-            (sums, rest), _ = jax.lax.scan(body, (zeros, rest), micro)
-
+        sums, rest = accumulate_microbatches(
+            loss_fn,
+            trainable_v,
+            rest,
+            batch,
+            k=k,
+            size=size,
+            names=(name,),
+            has_aux=has_aux,
+            predicate=predicate,
+            where=where,
+            clean_state=_without_marks,
+            clean_grads=lambda g: Params._make(trainable._struct, g._values),
+            reduced_inside=frozenset(dims) if gather == "per_layer" else frozenset(),
+        )
         grads, (loss, aux), w = sums
         keys = grads.keys()
         reduced = [g for key, g in zip(keys, grads._values, strict=True) if key not in dims]

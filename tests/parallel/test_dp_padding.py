@@ -116,3 +116,50 @@ def test_dp_train_step_with_an_all_padding_shard_updates_as_the_real_rows(types)
     ref_new = optax.apply_updates(t, tx.update(ref_grads, tx.init(t), t)[0])
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), **F32)
     _close(new.split()[0], ref_new)
+
+
+def _fsdp_loss(model, guard):
+    """The masked mean with the model's weights gathered by `fsdp_call`; `guard` divides
+    by ``max(count, 1)``, which a per-layer FSDP loss needs for all-padding shards."""
+
+    def loss_fn(p, x, m):
+        logits, p = bp.fsdp_call(model, p, x, under=("net",))
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.roll(x, -1, axis=1))
+        w = jnp.sum(m)
+        den = jnp.maximum(w, jnp.ones((), w.dtype)) if guard else w
+        return (jnp.sum(ce * m) / den, {"weight": w}), p
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("gather,guard", [("per_step", False), ("per_layer", True)])
+def test_fsdp_with_an_all_padding_shard_gives_the_real_rows_gradients(gather, guard):
+    """FSDP shares DP's accumulation: with gather='per_step' an unguarded masked mean on an
+    all-padding shard contributes nothing; with 'per_layer' the gradient is reduce-
+    scattered inside the backward (before the weight is known), so the loss guards its
+    count, as the FSDP docs say."""
+    model, params, x, mask = _setup()
+    mesh = bp.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    specs = bp.fsdp_specs(params, mesh, min_size=1)
+    f = bp.fsdp_value_and_grad(_fsdp_loss(model, guard), specs, gather=gather, has_aux=True)
+    spec = P("data")
+    run = jax.jit(
+        jax.shard_map(
+            f,
+            mesh=mesh,
+            in_specs=(specs, spec, spec),
+            out_specs=(P(), specs.split()[0], specs),
+        )
+    )
+    ps = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    with jax.default_matmul_precision("highest"):
+        (loss, _), grads, _ = run(
+            ps,
+            *(
+                jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
+                for a in (x, mask.astype(np.float32))
+            ),
+        )
+        ref_loss, ref_grads = _reference(model, params, x, mask)
+    np.testing.assert_allclose(float(loss), float(ref_loss), **F32)
+    _close(grads, ref_grads)
