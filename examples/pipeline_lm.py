@@ -17,7 +17,7 @@ output head, with the mean cross-entropy (stage P - 1, `last_fn`). Each block is
 initialized alone (seed ``seed * 1000 + b`` for block ``b``), so the model is the same on
 every mesh; the P stages' params are stacked along a leading stage dimension
 (`blox.parallel.stack_stages`), sharded over the ``stage`` mesh axis; the embedding and the
-final norm (``shared``) are replicated. ``--schedule gpipe|1f1b``
+final norm (``shared``) are replicated. ``--schedule gpipe|1f1b|1f1b-2f``
 builds the step with `blox.parallel.pipeline_value_and_grad` on a ``data`` x ``stage``
 x ``model`` mesh of D x P x T devices (the global batch split over ``data``, each data
 row split into ``--microbatches M`` microbatches; with ``--tensor-parallel T`` > 1 each
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "none"], default="1f1b")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "1f1b-2f", "none"], default="1f1b")
     parser.add_argument("--stages", type=int, default=4, help="P, pipeline stages (devices)")
     parser.add_argument("--microbatches", type=int, default=None, help="M (default 2 P)")
     parser.add_argument("--data-parallel", type=int, default=1, help="D, data-parallel rows")
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         parser.error(f"--stages {p} must divide the {layers} blocks of --size {args.size}")
     if heads % tp:
         parser.error(f"--tensor-parallel {tp} must divide the {heads} heads of --size {args.size}")
-    if args.schedule == "1f1b" and m < p:
+    if args.schedule.startswith("1f1b") and m < p:
         parser.error(f"1F1B needs --microbatches >= --stages ({p}); got {m} (or use gpipe)")
     if batch % (m * d):
         parser.error(
@@ -263,8 +263,12 @@ def main(argv: list[str] | None = None) -> list[float]:
             data_axis="data",
             stage_specs=specs,
         )
-        print(bp.gpipe_schedule(p, m) if args.schedule == "gpipe" else
-              bp.one_f_one_b_schedule(p, m), flush=True)  # fmt: skip
+        table = {
+            "gpipe": lambda: bp.gpipe_schedule(p, m),
+            "1f1b": lambda: bp.one_f_one_b_schedule(p, m),
+            "1f1b-2f": lambda: bp.one_f_one_b_schedule(p, m, forwards_per_slot=2),
+        }[args.schedule]()
+        print(table, flush=True)
         stage_shardings = jax.tree.map(
             lambda spec: NamedSharding(mesh, P("stage", *(spec or ()))), specs
         )

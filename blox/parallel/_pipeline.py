@@ -12,12 +12,14 @@ The runtime, top to bottom:
   ring buffers (`_Buffers`: stash, forward inbox, backward inbox) and runs one
   ``lax.scan`` of `_slot` over the table's time slots; then it reduces loss and gradients
   (``psum`` over the stage axis for the shared params, ``pmean`` over the data axis).
-* `_slot` (one time slot): reads this stage's cell of the table, reads the microbatch's
-  entries of the buffers (``dynamic_slice``), runs the cell (`_forward_cell`,
-  `_backward_cell` or `_idle_cell`, a ``lax.switch`` whose operands are all of one
-  microbatch's size), writes the cell's outputs back at the top level
-  (``dynamic_update_slice``), and moves the activation one stage forward and the
-  cotangent one stage backward (two ``ppermute``\\ s). No buffer whose size grows with
+* `_slot` (one time slot) runs this stage's cell of the table, one action after the
+  other (`_lane`; a cell may hold several, e.g. two forwards under ``'1f1b-2f'``): each
+  reads the microbatch's entries of the buffers (``dynamic_slice``), runs
+  `_forward_cell`, `_backward_cell` or `_idle_cell` (a ``lax.switch`` whose operands are
+  all of one microbatch's size) and writes its stash entry back at the top level
+  (``dynamic_update_slice``). Then the slot moves each action's activation one stage
+  forward and its cotangent one stage backward (``ppermute``\\ s, the slot's only
+  synchronisation) and files what arrived in the inboxes. No buffer whose size grows with
   ``m`` is an operand of a conditional, so a slot costs the same at any ``m``.
 
 What is stashed between a microbatch's forward and its backward: the stage's VJP
@@ -36,6 +38,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -43,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from blox.core import Params
 from blox.core._params import format_path
 from blox.parallel._mesh import constrain, varying_axes
-from blox.parallel._schedules import BACKWARD, FORWARD, Schedule, schedule_from
+from blox.parallel._schedules import BACKWARD, FORWARD, IDLE, Schedule, schedule_from
 
 __all__ = ["pipeline_value_and_grad", "stack_stages", "unstack_stages"]
 
@@ -279,8 +282,9 @@ class _Ctx(NamedTuple):
     fns: _Fns
     layout: _Layout
     sizes: dict[str, int]
-    kinds: jax.Array  # (T, p) int32, the table
-    mbs: jax.Array  # (T, p) int32
+    kinds: jax.Array  # (T, p, lanes) int32, the table
+    mbs: jax.Array  # (T, p, lanes) int32
+    lane_kinds: tuple[tuple[int, ...], ...]  # per lane, the kinds it ever runs (IDLE first)
     stage: jax.Array  # this device's stage index
     is_first: jax.Array
     is_last: jax.Array
@@ -391,9 +395,42 @@ def _idle_cell(c: _Ctx, x: _CellIn) -> _CellOut:
 
 
 def _slot(c: _Ctx, xs: Any, ys: Any, carry: tuple[_Buffers, _Acc], t: jax.Array):
-    """One time slot on one device: read, run the cell, write, send."""
+    """One time slot on one device: run the cell's lanes in turn (each reads its
+    microbatch's buffer entries, runs a forward, a backward or nothing, writes back),
+    then send what they produced (one ``ppermute`` per direction and lane) and file what
+    arrived."""
     bufs, acc = carry
-    kind, mb = c.kinds[t, c.stage], c.mbs[t, c.stage]
+    n_f, n_b = c.sizes["fwd_inbox"], c.sizes["bwd_inbox"]
+    sends = []
+    for lane, present in enumerate(c.lane_kinds):
+        kind, mb = c.kinds[t, c.stage, lane], c.mbs[t, c.stage, lane]
+        bufs, acc, out = _lane(c, xs, ys, bufs, acc, kind, mb, present)
+        sends.append((kind, mb, out))
+    # A lane that never runs a forward (a backward) anywhere in the table sends no
+    # activation (cotangent): its ppermute is left out.
+    for (kind, mb, out), present in zip(sends, c.lane_kinds, strict=True):
+        is_f, is_b = kind == FORWARD, kind == BACKWARD
+        if FORWARD in present:  # the activation forward (not from the last stage)
+            ok_f = is_f & ~c.is_last
+            hf, ok_f, mb_f = lax.ppermute((out.h_send, ok_f, mb), c.stage_axis, c.perms[0])
+            bufs = bufs._replace(inbox_f=_put(bufs.inbox_f, mb_f % n_f, hf, ok_f))
+        if BACKWARD in present:  # the cotangent backward (not from stage 0)
+            ok_b = is_b & ~c.is_first
+            hb, ok_b, mb_b = lax.ppermute((out.ct_send, ok_b, mb), c.stage_axis, c.perms[1])
+        else:
+            hb, ok_b, mb_b = out.ct_own, jnp.zeros_like(is_b), mb
+        # The last stage's backward inbox holds its own output cotangents.
+        hb = jax.tree.map(lambda own, got: jnp.where(c.is_last, own, got), out.ct_own, hb)
+        ok_b = jnp.where(c.is_last, is_f, ok_b)
+        mb_b = jnp.where(c.is_last, mb, mb_b)
+        bufs = bufs._replace(inbox_b=_put(bufs.inbox_b, mb_b % n_b, hb, ok_b))
+    return (bufs, acc), None
+
+
+def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, kind, mb, present):
+    """One action of a slot: read the microbatch's entries, run the cell (a switch over
+    the kinds this lane runs somewhere in the table, `present`), write its stash entry and
+    accumulate; returns what it sends."""
     n_s, n_f, n_b = c.sizes["stash"], c.sizes["fwd_inbox"], c.sizes["bwd_inbox"]
     x = _CellIn(
         _take(bufs.inbox_f, mb % n_f),
@@ -404,22 +441,11 @@ def _slot(c: _Ctx, xs: Any, ys: Any, carry: tuple[_Buffers, _Acc], t: jax.Array)
         acc.st,
         acc.st_sh,
     )
-    cells = [_idle_cell, _forward_cell, _backward_cell]
-    out = lax.switch(kind, [lambda x, f=f: f(c, x) for f in cells], x)
-    is_f, is_b = kind == FORWARD, kind == BACKWARD
-    # Send: the activation forward (not from the last stage), the cotangent backward.
-    ok_f, ok_b = is_f & ~c.is_last, is_b & ~c.is_first
-    hf, ok_f, mb_f = lax.ppermute((out.h_send, ok_f, mb), c.stage_axis, c.perms[0])
-    hb, ok_b, mb_b = lax.ppermute((out.ct_send, ok_b, mb), c.stage_axis, c.perms[1])
-    # The last stage's backward inbox holds its own output cotangents.
-    hb = jax.tree.map(lambda own, got: jnp.where(c.is_last, own, got), out.ct_own, hb)
-    ok_b = jnp.where(c.is_last, is_f, ok_b)
-    mb_b = jnp.where(c.is_last, mb, mb_b)
-    bufs = _Buffers(
-        _put(bufs.stash, mb % n_s, out.stash_out),
-        _put(bufs.inbox_f, mb_f % n_f, hf, ok_f),
-        _put(bufs.inbox_b, mb_b % n_b, hb, ok_b),
-    )
+    cells = {IDLE: _idle_cell, FORWARD: _forward_cell, BACKWARD: _backward_cell}
+    branch = np.zeros(3, np.int32)
+    branch[list(present)] = np.arange(len(present))
+    out = lax.switch(jnp.asarray(branch)[kind], [lambda x, f=cells[k]: f(c, x) for k in present], x)
+    bufs = bufs._replace(stash=_put(bufs.stash, mb % n_s, out.stash_out))
     acc = _Acc(
         jax.tree.map(jnp.add, acc.g, out.d_tr),
         jax.tree.map(jnp.add, acc.g_sh, out.d_sh),
@@ -427,7 +453,7 @@ def _slot(c: _Ctx, xs: Any, ys: Any, carry: tuple[_Buffers, _Acc], t: jax.Array)
         out.st,
         out.st_sh,
     )
-    return (bufs, acc), None
+    return bufs, acc, out
 
 
 def _axes(tree: Any) -> tuple[str, ...]:
@@ -483,13 +509,19 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
     )
     layout = _residual_layout(fns, tr, st, h_zero)
     sizes = sched.buffer_sizes()
-    kinds, mbs = (jnp.asarray(a) for a in sched.as_arrays())
+    kinds_np, mbs_np = sched.as_arrays()
+    kinds, mbs = jnp.asarray(kinds_np), jnp.asarray(mbs_np)
+    lane_kinds = tuple(
+        tuple(sorted({IDLE, *np.unique(kinds_np[..., lane]).tolist()}))
+        for lane in range(kinds_np.shape[-1])
+    )
     c = _Ctx(
         fns=fns,
         layout=layout,
         sizes=sizes,
         kinds=kinds,
         mbs=mbs,
+        lane_kinds=lane_kinds,
         stage=stage,
         is_first=stage == 0,
         is_last=stage == p - 1,
@@ -601,8 +633,10 @@ def pipeline_value_and_grad(
       last_fn: as above; returns a floating scalar.
       mesh: a mesh with `stage_axis` (length ``p``), if given `data_axis`, and any axes
         `stage_specs` names (e.g. ``'model'`` for tensor parallelism).
-      schedule: ``'gpipe'``, ``'1f1b'`` or a `Schedule` for ``p`` stages and ``m``
-        microbatches.
+      schedule: ``'gpipe'``, ``'1f1b'``, ``'1f1b-2f'`` (1F1B whose slots hold one
+        backward or two forwards: less idle time, since a backward costs about two
+        forwards, for up to ``2 (p - s)`` stashed microbatches on stage ``s``) or a
+        `Schedule` for ``p`` stages and ``m`` microbatches.
       num_microbatches: ``m``; required unless `schedule` is a `Schedule`.
       first_fn: as above; ``None`` passes the inputs to stage 0 unchanged.
       stage_axis: the pipeline mesh axis.

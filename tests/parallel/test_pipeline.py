@@ -128,6 +128,9 @@ GRID += [("1f1b", m, None, False) for m in (4, 8, 16, 32)]
 GRID += [(s, m, None, True) for s in ("gpipe", "1f1b") for m in (4, 32)]
 GRID += [("gpipe", 4, "bf16", False), ("1f1b", 32, "bf16", False)]
 GRID += [("gpipe", 32, "bf16", True), ("1f1b", 4, "bf16", True)]
+# 1F1B whose slots hold one backward or two forwards (issue 24 item 4)
+GRID += [("1f1b-2f", m, None, False) for m in (4, 8)]
+GRID += [("1f1b-2f", 32, None, True), ("1f1b-2f", 8, "bf16", False), ("1f1b-3f", 8, None, False)]
 
 
 @pytest.mark.parametrize("schedule,m,policy,remat", GRID)
@@ -275,6 +278,53 @@ def test_schedule_printed_p4_m8():
     text = str(one_f_one_b_schedule(4, 8)).splitlines()
     assert text[2].split()[2:10] == ["F0", "F1", "F2", "F3", ".", ".", ".", "B0"]
     assert text[5].split()[2:7] == [".", ".", ".", "F0", "B0"]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 32), (8, 16)])
+def test_packed_1f1b_fills_its_slots(p, m):
+    """1F1B with slots of one backward or two forwards: a valid table whose cells are a
+    backward or one / two forwards, at most 2 (p - s) in flight on stage s, and with a
+    backward costing two forwards a busy fraction equal to the closed form for such slots
+    (all slots full but the 2 (p - 1) of fill and drain: 3m / (3m + 4 (p - 1))), above
+    plain 1F1B's."""
+    s = one_f_one_b_schedule(p, m, forwards_per_slot=2)
+    _check_table(s)
+    assert s.name == "1f1b-2f" and s.lanes == 2
+    for t in range(s.num_slots):
+        for st in range(p):
+            kinds = [a.kind for a in s.actions(t, st)]
+            assert kinds in ([], ["B"], ["F"], ["F", "F"]), (t, st, kinds)
+    assert s.in_flight() == [min(m, 2 * (p - st)) for st in range(p)]
+    busy = 1 - s.idle_fraction(forward=1.0, backward=2.0)
+    assert busy == pytest.approx(3 * m / (3 * m + 4 * (p - 1)))
+    assert busy > 1 - one_f_one_b_schedule(p, m).idle_fraction(1.0, 2.0)
+    assert "F0+F1" in str(s) and "with B = 2 F" in str(s).splitlines()[0]
+
+
+def test_idle_fraction_weighs_cells_by_their_cost():
+    """Slot-synchronous: a slot lasts as long as its busiest stage. GPipe p = 2, m = 2
+    with per-stage forward costs (1, 3) and backward 2: slot loads (1, 0), (1, 3), (0, 3),
+    (0, 2), (2, 2), (2, 0), counted by hand."""
+    s = gpipe_schedule(2, 2)
+    busy, span = 1 + 4 + 3 + 2 + 4 + 2, 1 + 3 + 3 + 2 + 2 + 2
+    assert s.idle_fraction(forward=[1.0, 3.0], backward=2.0) == pytest.approx(1 - busy / (2 * span))
+    assert s.idle_fraction() == pytest.approx(4 / 12)
+    with pytest.raises(ValueError, match="forward has 3 entries.*one per stage"):
+        s.idle_fraction(forward=[1.0, 1.0, 1.0])
+
+
+def test_packed_schedule_errors():
+    with pytest.raises(ValueError, match="forwards_per_slot must be an int >= 1"):
+        one_f_one_b_schedule(4, 8, forwards_per_slot=0)
+    with pytest.raises(ValueError, match="1f1b-2f"):
+        pipeline_value_and_grad(lambda p, h: (h, p), lambda p, h, y: (0.0, p), _mesh(),
+                                schedule="2f1b", num_microbatches=4)  # fmt: skip
+    with pytest.raises(ValueError, match="slot 0, stage 0: .* is not a cell"):
+        Schedule("mine", 1, 1, (((("F", 0, 1)),),))
+    # a cell of two forwards: stage 1 may not run F0 in the slot stage 0 sends it
+    two = ((("F", 0), ("F", 1)), (("F", 0), ("F", 1)))
+    with pytest.raises(ValueError, match="stage 1 runs F0 at slot 0, not after stage 0"):
+        Schedule("mine", 2, 2, (two, (None, (("B", 0), ("B", 1))), ((("B", 0), ("B", 1)), None)))
 
 
 @pytest.mark.parametrize(

@@ -98,7 +98,7 @@ def _copies(hlo: str) -> int:
 
 # -- linear in m ----------------------------------------------------------------------------
 @pytest.mark.full_optimizations
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-2f"])
 def test_no_m_sized_buffer_enters_a_conditional(schedule):
     """The primary check of linearity: a conditional's operands are copied each time it
     runs, so none may hold a buffer of m microbatches (the inputs, a GPipe stash of m
@@ -143,6 +143,14 @@ def test_1f1b_temp_bytes_flat_in_m_gpipe_grows():
     assert t["1f1b", 32] <= 1.1 * t["1f1b", 4], t
     assert t["gpipe", 32] >= 4 * t["gpipe", 4], t  # GPipe stashes all m microbatches
     assert _temp("gpipe", 32, rows=64, remat=True) < t["gpipe", 32]  # stashes only inputs
+
+
+@pytest.mark.full_optimizations
+def test_packed_1f1b_temp_bytes_flat_in_m():
+    """1F1B with two forwards per slot keeps up to 2 (p - s) microbatches in flight (all
+    m = 4 at m = 4, 2p = 8 from m = 8 on): its temp memory stays flat from m = 8 to 32."""
+    t = {m: _temp("1f1b-2f", m, rows=64) for m in (8, 32)}
+    assert t[32] <= 1.1 * t[8], t
 
 
 @pytest.mark.full_optimizations

@@ -50,6 +50,8 @@ def test_pipeline_speed_quick_writes_its_section(tmp_path):
         "pipeline_speed.py", "pipeline_speed", tmp_path / "b.md", "--plot", str(plot)
     )
     for needle in ["GPipe vs 1F1B vs sequential", "(p-1)/(m+p-1)", "idle, busy-time weighted",
-                   "| gpipe | 8 |", "| 1f1b | 8 |", "loss rel. error"]:  # fmt: skip
+                   "| gpipe | 8 |", "| 1f1b | 8 |", "| 1f1b-2f | 8 |", "busy, 1f1b-2f",
+                   "step time 1f1b-2f / 1f1b", "loss rel. error"]:  # fmt: skip
         assert needle in text, needle
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "pipeline_busy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
