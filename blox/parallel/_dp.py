@@ -468,7 +468,6 @@ def make_dp_train_step(
             f"make_dp_train_step: data axis {axis!r} is not an axis of the mesh "
             f"{dict(mesh.shape)}. Pass axis=<one of {tuple(mesh.axis_names)}>."
         )
-    dp = mesh.shape[axis]
     bspec = PartitionSpec(axis) if batch_spec is None else batch_spec
     grad_fn = dp_value_and_grad(
         loss_fn,
@@ -480,40 +479,80 @@ def make_dp_train_step(
     )
 
     def step(params: Params, opt_state: Any, *batch: Any):
-        if not isinstance(params, Params):
-            raise TypeError(
-                f"make_dp_train_step: params must be bx.Params, got {type(params).__name__}."
-            )
-        _check_global_batch(batch, mesh, axis)
-        for kp, leaf in jax.tree_util.tree_leaves_with_path(batch):
-            shape = tuple(jnp.shape(leaf))
-            if not shape or shape[0] % (dp * microbatches):
-                rows = "a scalar" if not shape else f"{shape[0]} rows"
-                raise ValueError(
-                    f"make_dp_train_step: batch leaf {jax.tree_util.keystr(kp)} of shape "
-                    f"{shape} has {rows}, not divisible by data-parallel size {dp} x "
-                    f"microbatches {microbatches} = {dp * microbatches}. Use a global batch "
-                    f"that is a multiple of {dp * microbatches} (or drop the remainder)."
-                )
         specs = param_specs
         if specs is None:
             specs = jax.tree.map(lambda _: PartitionSpec(), params)
-        trainable, _ = params.split(predicate)
-        t_specs, _ = specs.split(lambda p, _: p in trainable)
-        batch = tuple(jax.tree.map(lambda x: constrain(x, mesh, bspec), b) for b in batch)
-        in_specs = (specs, *(jax.tree.map(lambda _: bspec, b) for b in batch))
-        out_specs = (PartitionSpec(), t_specs, specs)
-        value, grads, params = jax.shard_map(
-            grad_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs
-        )(params, *batch)
-        trainable, rest = params.split(predicate)
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        params = optax.apply_updates(trainable, updates).merge(rest)
-        if has_aux:
-            loss, aux = value
-            metrics = {"loss": loss, **aux} if isinstance(aux, dict) else {"loss": loss, "aux": aux}
-        else:
-            metrics = {"loss": value}
+        params, opt_state, metrics, _ = sharded_train_step(
+            grad_fn,
+            tx,
+            mesh,
+            specs,
+            params,
+            opt_state,
+            batch,
+            axis=axis,
+            batch_spec=bspec,
+            microbatches=microbatches,
+            predicate=predicate,
+            has_aux=has_aux,
+            where="make_dp_train_step",
+        )
         return params, opt_state, metrics
 
     return step
+
+
+def sharded_train_step(
+    grad_fn: Callable,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    specs: Any,
+    params: Params,
+    opt_state: Any,
+    batch: tuple,
+    *,
+    axis: str,
+    batch_spec: PartitionSpec,
+    microbatches: int,
+    predicate: Callable | None,
+    has_aux: bool,
+    where: str,
+) -> tuple[Params, Any, dict, Params]:
+    """One optimizer step around a gradient function that runs inside ``jax.shard_map``
+    (`dp_value_and_grad`, `fsdp_value_and_grad`), shared by the DP and FSDP train steps:
+    checks the batch (global arrays on a multi-process mesh; rows divisible by data x
+    microbatches), runs `grad_fn` with the params laid out by `specs`, applies `tx`.
+
+    Returns ``(params, opt_state, metrics, grads)``.
+    """
+    if not isinstance(params, Params):
+        raise TypeError(f"{where}: params must be bx.Params, got {type(params).__name__}.")
+    _check_global_batch(batch, mesh, axis)
+    dp = mesh.shape[axis]
+    for kp, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        shape = tuple(jnp.shape(leaf))
+        if not shape or shape[0] % (dp * microbatches):
+            rows = "a scalar" if not shape else f"{shape[0]} rows"
+            raise ValueError(
+                f"{where}: batch leaf {jax.tree_util.keystr(kp)} of shape {shape} has "
+                f"{rows}, not divisible by data-parallel size {dp} x microbatches "
+                f"{microbatches} = {dp * microbatches}. Use a global batch that is a "
+                f"multiple of {dp * microbatches} (or drop the remainder)."
+            )
+    trainable, _ = params.split(predicate)
+    t_specs, _ = specs.split(lambda p, _: p in trainable)
+    batch = tuple(jax.tree.map(lambda x: constrain(x, mesh, batch_spec), b) for b in batch)
+    in_specs = (specs, *(jax.tree.map(lambda _: batch_spec, b) for b in batch))
+    out_specs = (PartitionSpec(), t_specs, specs)
+    value, grads, params = jax.shard_map(
+        grad_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs
+    )(params, *batch)
+    trainable, rest = params.split(predicate)
+    updates, opt_state = tx.update(grads, opt_state, trainable)
+    params = optax.apply_updates(trainable, updates).merge(rest)
+    if has_aux:
+        loss, aux = value
+        metrics = {"loss": loss, **aux} if isinstance(aux, dict) else {"loss": loss, "aux": aux}
+    else:
+        metrics = {"loss": value}
+    return params, opt_state, metrics, grads

@@ -36,8 +36,8 @@ from blox.parallel._dp import (
     _settle_state,
     _to_varying,
     accumulate_microbatches,
+    sharded_train_step,
 )
-from blox.parallel._mesh import constrain
 from blox.parallel._rng import fold_seeds, restore_seeds
 
 __all__ = [
@@ -711,7 +711,9 @@ def make_fsdp_train_step(
       ``step``; ``metrics`` holds ``'loss'``, the aux dict's entries and ``'grad_norm'``.
 
     Raises:
-      ValueError: `axis` not in the mesh; a batch not divisible by data x microbatches.
+      ValueError: `axis` not in the mesh; a batch not divisible by data x microbatches;
+        a batch leaf of one process's rows when the mesh spans several processes (as
+        `make_dp_train_step`: assemble it with `blox.distributed.global_batch`).
     """
     where = "make_fsdp_train_step"
     if not isinstance(mesh, Mesh):
@@ -721,7 +723,6 @@ def make_fsdp_train_step(
             f"{where}: data axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}. "
             f"Pass axis=<one of {tuple(mesh.axis_names)}>."
         )
-    dp = mesh.shape[axis]
     bspec = PartitionSpec(axis) if batch_spec is None else batch_spec
     grad_fn = fsdp_value_and_grad(
         loss_fn,
@@ -735,34 +736,21 @@ def make_fsdp_train_step(
     )
 
     def step(params: Params, opt_state: Any, *batch: Any):
-        if not isinstance(params, Params):
-            raise TypeError(f"{where}: params must be bx.Params, got {type(params).__name__}.")
-        for kp, leaf in jax.tree_util.tree_leaves_with_path(batch):
-            shape = tuple(jnp.shape(leaf))
-            if not shape or shape[0] % (dp * microbatches):
-                rows = "a scalar" if not shape else f"{shape[0]} rows"
-                raise ValueError(
-                    f"{where}: batch leaf {jax.tree_util.keystr(kp)} of shape {shape} has "
-                    f"{rows}, not divisible by data-parallel size {dp} x microbatches "
-                    f"{microbatches} = {dp * microbatches}. Use a global batch that is a "
-                    f"multiple of {dp * microbatches} (or drop the remainder)."
-                )
-        trainable, _ = params.split(predicate)
-        t_specs, _ = specs.split(lambda p, _: p in trainable)
-        batch = tuple(jax.tree.map(lambda x: constrain(x, mesh, bspec), b) for b in batch)
-        in_specs = (specs, *(jax.tree.map(lambda _: bspec, b) for b in batch))
-        out_specs = (PartitionSpec(), t_specs, specs)
-        value, grads, params = jax.shard_map(
-            grad_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs
-        )(params, *batch)
-        trainable, rest = params.split(predicate)
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        params = optax.apply_updates(trainable, updates).merge(rest)
-        if has_aux:
-            loss, aux = value
-            metrics = {"loss": loss, **aux} if isinstance(aux, dict) else {"loss": loss, "aux": aux}
-        else:
-            metrics = {"loss": value}
+        params, opt_state, metrics, grads = sharded_train_step(
+            grad_fn,
+            tx,
+            mesh,
+            specs,
+            params,
+            opt_state,
+            batch,
+            axis=axis,
+            batch_spec=bspec,
+            microbatches=microbatches,
+            predicate=predicate,
+            has_aux=has_aux,
+            where=where,
+        )
         if grad_norm:
             metrics["grad_norm"] = optax.tree.norm(grads)
         return params, opt_state, metrics

@@ -68,6 +68,10 @@ def main() -> None:
     auto = bp.make_mesh((jax.device_count(),), ("data",), axis_types="auto")
     auto_step = jax.jit(bp.make_dp_train_step(loss_fn, tx, auto))
     out["auto_jit_numpy"] = error(auto_step, x_local, y_local)
+    # The FSDP step shares the DP step's batch checks.
+    specs = bp.fsdp_specs(host, mesh, min_size=1)
+    fsdp_step = jax.jit(bp.make_fsdp_train_step(loss_fn, tx, mesh, specs))
+    out["fsdp_jit_numpy"] = error(fsdp_step, x_local, y_local)
     batch = bd.global_batch((x_local, y_local), NamedSharding(mesh, P("data")), rows)
     new, _, metrics = step(params, opt_state, *batch)
     kernel = jax.jit(lambda p: p["net", "fc", "kernel"].value, out_shardings=rep)(new)

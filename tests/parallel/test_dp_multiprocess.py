@@ -35,7 +35,8 @@ def test_host_rows_are_refused_and_the_global_batch_trains_across_two_processes(
         tag = f"[{rank}] result="
         (line,) = [s[len(tag) :] for s in proc.stdout.splitlines() if s.startswith(tag)]
         got = json.loads(line)
-        for how in ("jit_numpy", "eager_numpy", "jit_local_array", "auto_jit_numpy"):
+        hows = ("jit_numpy", "eager_numpy", "jit_local_array", "auto_jit_numpy", "fsdp_jit_numpy")
+        for how in hows:
             msg = got[how]
             assert msg is not None, f"rank {rank}: {how} was not refused"
             assert "blox.distributed.global_batch" in msg, msg
