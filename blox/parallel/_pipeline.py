@@ -11,7 +11,9 @@ The runtime, top to bottom:
   which only on the params (computed once per step, `_param_residuals`). It allocates the
   ring buffers (`_Buffers`: stash, forward inbox, backward inbox) and runs one
   ``lax.scan`` of `_slot` over the table's time slots; then it reduces loss and gradients
-  (``psum`` over the stage axis for the shared params, ``pmean`` over the data axis).
+  (``psum`` over the stage axis for the shared params, ``pmean`` over the data axis;
+  stage leaves sharded over the data axis (FSDP), reduce-scattered by ``fsdp_call``,
+  only divided by its size).
 * `_slot` (one time slot) runs this stage's cell of the table, one action after the
   other (`_lane`; a cell may hold several, e.g. two forwards under ``'1f1b-2f'``): each
   reads the microbatch's entries of the buffers (``dynamic_slice``), runs
@@ -44,7 +46,8 @@ from jax.extend.core import Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from blox.core import Params
-from blox.core._params import format_path
+from blox.core._params import Path, format_path
+from blox.parallel._fsdp import _sharded_dims, _with_marks, _without_marks
 from blox.parallel._mesh import constrain, varying_axes
 from blox.parallel._schedules import BACKWARD, FORWARD, IDLE, Schedule, schedule_from
 
@@ -483,6 +486,7 @@ class _Static(NamedTuple):
     schedule: Schedule
     stage_axis: str
     data_axis: str | None
+    fsdp: tuple[tuple[Path, int], ...] = ()  # stage leaves sharded over data: (path, dim)
 
 
 def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
@@ -496,6 +500,9 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
     # axis (TP layers inside the stage) keeps its types, so autodiff sums over it.
     local = _vary(jax.tree.map(lambda v: v[0], stage_params), axes)
     tr, st = local.split()
+    # FSDP inside the stage: the leaves `stage_specs` shards over the data axis hold local
+    # shards, marked for `fsdp_call` (gather before use, reduce-scatter the gradient).
+    tr = _with_marks(tr, {k: (cfg.data_axis, d) for k, d in cfg.fsdp})
     tr_sh, st_sh = _vary(shared_params, axes).split()
     xs = _split_batch(_vary(inputs, axes), m)
     ys = _split_batch(_vary(targets, axes), m)
@@ -556,7 +563,8 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
 
 def _reduce(cfg: _Static, c: _Ctx, acc: _Acc, st_sh_old: Params):
     """Loss and gradients summed over the stages (the shared params') and averaged over
-    the data axis; the shared state from stage 0 (``first_fn``) or p - 1 (``last_fn``)."""
+    the data axis (FSDP leaves, reduce-scattered already: divided by its size); the
+    shared state from stage 0 (``first_fn``) or p - 1 (``last_fn``)."""
     axis, data = cfg.stage_axis, cfg.data_axis
 
     def settle(old, new):
@@ -565,9 +573,24 @@ def _reduce(cfg: _Static, c: _Ctx, acc: _Acc, st_sh_old: Params):
         return jnp.where(v0 != old, v0, vl)
 
     st_sh = jax.tree.map(settle, st_sh_old, acc.st_sh)
-    loss, g_sh, g, st = lax.psum(acc.loss, axis), lax.psum(acc.g_sh, axis), acc.g, acc.st
+    loss, g_sh, st = lax.psum(acc.loss, axis), lax.psum(acc.g_sh, axis), acc.st
+    g = _without_marks(acc.g)
     if data is not None:
-        loss, g, g_sh = lax.pmean((loss, g, g_sh), data)
+        # FSDP leaves arrive reduce-scattered over the data axis (the transpose of
+        # `fsdp_call`'s gather): summed already, so only divided by its size; the
+        # replicated leaves are averaged by one pmean.
+        fsdp = dict(cfg.fsdp)
+        keys = g.keys()
+        rep = [v for k, v in zip(keys, g._values, strict=True) if k not in fsdp]
+        loss, rep, g_sh = lax.pmean((loss, rep, g_sh), data)
+        n, it = lax.axis_size(data), iter(rep)
+        g = Params._make(
+            g._struct,
+            tuple(
+                v / jnp.asarray(n, v.dtype) if k in fsdp else next(it)
+                for k, v in zip(keys, g._values, strict=True)
+            ),
+        )
         # Floating state (running statistics) is averaged over the data shards; integer
         # state (Rng seed and counter) advances identically on every shard and keeps its
         # dtype (pmax of equal values).
@@ -648,7 +671,11 @@ def pipeline_value_and_grad(
       stage_specs: the ``PartitionSpec`` of every parameter of *one* stage (a `Params` of
         specs with one stage's paths, e.g. ``bp.param_specs(stage0_params,
         bp.transformer_tp_rules())``); the stage axis is prepended. Default: each stage's
-        params whole on its device.
+        params whole on its device. FSDP inside the stages: specs that also shard
+        trainable leaves over `data_axis` (``bp.fsdp_specs(stage0_params, mesh,
+        base=tp_specs)``) hand `stage_fn` local shards marked for `blox.parallel.fsdp_call`,
+        which `stage_fn` must call per layer (gather before use, reduce-scatter of the
+        gradient); those gradients are divided by ``D`` instead of averaged again.
 
     Returns:
       ``step(stage_params, shared_params, inputs, targets) -> (loss, (stage_grads,
@@ -664,7 +691,7 @@ def pipeline_value_and_grad(
         is not the axis length; ``m < p`` under 1F1B; a stage-params leaf whose leading
         dimension is not ``p``; a batch that ``m`` (times ``D``) does not divide; a stage
         that changes the activation's shape or dtype; `stage_specs` whose paths differ
-        from the stage params'.
+        from the stage params', or that shard a non-trainable leaf over `data_axis`.
       TypeError: a function that does not return ``(outputs, params)``.
 
     Example:
@@ -702,6 +729,7 @@ def pipeline_value_and_grad(
     def step(stage_params: Params, shared_params: Params, inputs: Any, targets: Any):
         _check_step_args(where, stage_params, shared_params, inputs, targets, p, stage_axis, m, dp)
         specs = _stage_partition_specs(where, stage_params, stage_specs, stage_axis)
+        fsdp = _stage_fsdp_dims(where, stage_params, stage_specs, data_axis)
         rep = jax.tree.map(lambda _: PartitionSpec(), shared_params)
         batch = PartitionSpec(data_axis)
         out_specs = (
@@ -710,7 +738,7 @@ def pipeline_value_and_grad(
             (specs.split()[1], rep.split()[1]),
         )
         f = jax.shard_map(
-            lambda *a: _pipeline_body(cfg, *a),
+            lambda *a: _pipeline_body(cfg._replace(fsdp=fsdp), *a),
             mesh=mesh,
             in_specs=(specs, rep, batch, batch),
             out_specs=out_specs,
@@ -749,6 +777,25 @@ def _stage_partition_specs(
     return jax.tree_util.tree_map_with_path(
         lambda kp, _: PartitionSpec(stage_axis, *(by_name[kp[0].key] or ())), stage_params
     )
+
+
+def _stage_fsdp_dims(
+    where: str, stage_params: Params, stage_specs: Params | None, data_axis: str | None
+) -> tuple[tuple[Path, int], ...]:
+    """``((path, dim), ...)`` of the stage leaves whose spec shards ``dim`` (of one stage)
+    over `data_axis` (FSDP inside the stages); checks they are trainable."""
+    if stage_specs is None or data_axis is None:
+        return ()
+    dims = _sharded_dims(stage_specs, data_axis, where)
+    trainable = set(stage_params.split()[0].keys())
+    for key in dims:
+        if key not in trainable:
+            raise ValueError(
+                f"{where}: stage_specs shard the non-trainable '{format_path(key)}' over the "
+                f"data axis {data_axis!r}; only trainable leaves can be FSDP-sharded (build "
+                "the specs with bp.fsdp_specs, which leaves state as its base spec has it)."
+            )
+    return tuple((key, dims[key]) for key in stage_params.keys() if key in dims)
 
 
 def _resolve_schedule(
