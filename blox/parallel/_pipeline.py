@@ -580,16 +580,13 @@ def _reduce(cfg: _Static, c: _Ctx, acc: _Acc, st_sh_old: Params):
         # `fsdp_call`'s gather): summed already, so only divided by its size; the
         # replicated leaves are averaged by one pmean.
         fsdp = dict(cfg.fsdp)
-        keys = g.keys()
-        rep = [v for k, v in zip(keys, g._values, strict=True) if k not in fsdp]
+        arrays = g.arrays()  # in the order of g's leaves
+        rep = [v for k, v in arrays.items() if k not in fsdp]
         loss, rep, g_sh = lax.pmean((loss, rep, g_sh), data)
         n, it = lax.axis_size(data), iter(rep)
-        g = Params._make(
-            g._struct,
-            tuple(
-                v / jnp.asarray(n, v.dtype) if k in fsdp else next(it)
-                for k, v in zip(keys, g._values, strict=True)
-            ),
+        g = jax.tree.unflatten(
+            jax.tree.structure(g),
+            [v / jnp.asarray(n, v.dtype) if k in fsdp else next(it) for k, v in arrays.items()],
         )
         # Floating state (running statistics) is averaged over the data shards; integer
         # state (Rng seed and counter) advances identically on every shard and keeps its
