@@ -1,5 +1,6 @@
 """Pipeline parallelism: GPipe vs 1F1B (plain, and with slots of one backward or two
-forwards) vs the same model run sequentially, p = 4 stages.
+forwards) vs interleaved 1F1B (v = 2) vs ZB-H1 (zero bubble) vs the same model run
+sequentially, p = 4 stages.
 
 Run (``make bench``)::
 
@@ -8,15 +9,18 @@ Run (``make bench``)::
 On CPU the script simulates 8 devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``);
 the pipeline runs on a 4-device ``stage`` mesh, the sequential model on one device.
 
-Model: ``first_fn`` a Linear embedding (16 -> D), p = 4 identical residual MLP stages
-(``h + W2 gelu(W1 LayerNorm(h))``, D -> 4D -> D), ``last_fn`` a Linear head (D -> 16) and
-the mean squared error. Each microbatch has ``R`` rows, so the global batch is ``R m`` and
-both the work and GPipe's stash grow with ``m``. One timed call = loss and gradients of
-one global batch (``bp.pipeline_value_and_grad`` for GPipe, 1F1B and ``'1f1b-2f'``, 1F1B
-whose slots hold one backward or two forwards; ``jax.value_and_grad``
-of the stages run one after the other for the sequential model). Before timing, the script
-asserts the loss and every gradient of every schedule equal the sequential ones
-(rtol 1e-5, highest matmul precision).
+Model: ``first_fn`` a Linear embedding (16 -> D), 2p = 8 identical residual MLP blocks
+(``h + W2 gelu(W1 LayerNorm(h))``, D -> 2D -> D), ``last_fn`` a Linear head (D -> 16) and
+the mean squared error. A stage runs two blocks (GPipe, 1F1B, ZB-H1); the interleaved
+schedule cuts the same 8 blocks into v p = 8 chunks of one block (two per device). Each
+microbatch has ``R`` rows, so the global batch is ``R m`` and both the work and GPipe's
+stash grow with ``m``. One timed call = loss and gradients of one global batch
+(``bp.pipeline_value_and_grad`` for GPipe, 1F1B, ``'1f1b-2f'`` (1F1B whose slots hold
+one backward or two forwards), ``'interleaved'`` with ``virtual_stages=2`` and ``'zb'``;
+``jax.value_and_grad`` of the blocks run one after the other for the sequential model).
+Before timing, the script asserts the loss and every gradient of every schedule equal the
+sequential ones (the same blocks stacked the schedule's way; rtol 1e-5, highest matmul
+precision).
 
 Reported per m (4 to 64) and schedule: the table's slot count, step time and time per
 microbatch (median over rounds of the per-round median; same-round ratios to the
@@ -26,10 +30,12 @@ m = 4, which the runtime keeps flat), the compiled temp bytes
 compiled program's ``copy`` count, and the idle fraction three ways: (p - 1)/(m + p - 1);
 from the schedule table with a backward of two forwards (``Schedule.idle_fraction(1, 2)``);
 and *busy-time weighted*: the measured time of each cell the runtime runs, on one
-microbatch, one device, alone (a forward; stage p - 1's forward also differentiates
+microbatch, one device, alone (a forward; the last stage's forward also differentiates
 ``last_fn``; a backward; stage 0's backward also recomputes and differentiates
-``first_fn``; all cells timed interleaved, min over repeats) placed in the table's cells
-(``Schedule.idle_fraction(forward=..., backward=...)``); the runtime is slot-synchronous
+``first_fn``; for ZB-H1 the input-gradient B and the weight-gradient W apart; for the
+interleaved schedule the cells of a one-block chunk; all cells timed interleaved, min over
+repeats) placed in the table's cells (``Schedule.idle_fraction(forward=..., backward=...,
+weight=...)``, one cost per virtual stage); the runtime is slot-synchronous
 (a ``ppermute`` closes every slot), so a slot lasts as long as its busiest stage (the sum
 of its cell's actions) and idle = 1 - sum(busy) / (p x sum of the slot lengths). The
 busy fraction is 1 - idle. The plots (temp memory and time per microbatch vs m; the busy
@@ -39,6 +45,7 @@ fraction vs m) go to ``docs/img/pipeline_memory.png`` and ``docs/img/pipeline_bu
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import sys
@@ -61,51 +68,101 @@ COUNTS = CountArgs(steps=10, warmup=2, quick_steps=2, quick_warmup=1, rounds=5)
 P_STAGES, D_IO = 4, 16
 PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "img",
                     "pipeline_memory.png")  # fmt: skip
-SCHEDULES = ("gpipe", "1f1b", "1f1b-2f")
+SCHEDULES = ("gpipe", "1f1b", "1f1b-2f", "interleaved", "zb")
+V_CHUNKS = 2  # the interleaved schedule's chunks per device
+BLOCKS = V_CHUNKS * P_STAGES  # residual MLP blocks in all: 2 per stage, 1 per chunk
+STYLES = ("o-", "s-", "d-", "v-", "x-")  # plot markers, one per schedule
+
+
+def _virtual(name: str) -> int:
+    return V_CHUNKS if name == "interleaved" else 1
+
+
+def table_of(name: str, m: int):
+    """The `Schedule` the runtime follows for `name` at p = `P_STAGES`."""
+    if name == "gpipe":
+        return bp.gpipe_schedule(P_STAGES, m)
+    if name == "interleaved":
+        return bp.interleaved_schedule(P_STAGES, m, V_CHUNKS)
+    if name == "zb":
+        return bp.zero_bubble_schedule(P_STAGES, m)
+    return bp.one_f_one_b_schedule(P_STAGES, m, forwards_per_slot=2 if name == "1f1b-2f" else 1)
 
 
 def build_model(width: int):
+    """``first_fn, last_fn, shared`` and, per chunks per device ``v`` (1 and
+    `V_CHUNKS`), ``(stage_fn, stacked params)``: the same `BLOCKS` blocks (block ``b``
+    initialized alone with seed ``1 + b``) cut into ``v p`` stages of ``BLOCKS / (v p)``."""
     g = bx.Graph("net")
     rng = bx.Rng(g / "rng")
     embed = bx.Linear(g / "embed", width, rng)
     head = bx.Linear(g / "head", D_IO, rng)
-    sg = bx.Graph("stage")
-    srng = bx.Rng(sg / "rng")
-    norm = bx.LayerNorm(sg / "norm")
-    fc1 = bx.Linear(sg / "fc1", 4 * width, srng)
-    fc2 = bx.Linear(sg / "fc2", width, srng)
 
     def first_fn(params, x):
         return embed(params, x)
-
-    def stage_fn(params, h):
-        a, params = norm(params, h)
-        a, params = fc1(params, a)
-        a, params = fc2(params, jax.nn.gelu(a))
-        return h + a, params
 
     def last_fn(params, h, y):
         out, params = head(params, h)
         return jnp.mean((out - y) ** 2), params
 
+    def block(j):
+        sg = bx.Graph("stage")
+        srng = bx.Rng(sg / "rng")
+        node = sg / f"block_{j}"
+        norm = bx.LayerNorm(node / "norm")
+        fc1 = bx.Linear(node / "fc1", 2 * width, srng)
+        fc2 = bx.Linear(node / "fc2", width, srng)
+
+        def apply(params, h):
+            a, params = norm(params, h)
+            a, params = fc1(params, a)
+            a, params = fc2(params, jax.nn.gelu(a))
+            return h + a, params
+
+        return apply, srng
+
     x0 = jnp.zeros((1, D_IO))
     shared = rng.seed(bx.Params(), seed=0)
     h, shared = first_fn(shared, x0)
     shared = last_fn(shared, h, x0)[1].locked()
-    stages = [stage_fn(srng.seed(bx.Params(), seed=1 + s), h)[1].locked() for s in range(P_STAGES)]
-    return first_fn, stage_fn, last_fn, shared, stages
+    layouts = {}
+    for v in (1, V_CHUNKS):
+        k = BLOCKS // (v * P_STAGES)
+        blocks = [block(j) for j in range(k)]
+
+        def stage_fn(params, h, blocks=blocks):
+            for apply, _ in blocks:
+                h, params = apply(params, h)
+            return h, params
+
+        def init(b, j, blocks=blocks):
+            apply, srng = blocks[j]
+            return apply(srng.seed(bx.Params(), seed=1 + b), h)[1]
+
+        chunks = [
+            functools.reduce(lambda a, b: a.merge(b), [init(c * k + j, j) for j in range(k)])
+            for c in range(v * P_STAGES)
+        ]
+        layouts[v] = (stage_fn, bp.stack_stages([c.locked() for c in chunks], virtual_stages=v))
+    return first_fn, last_fn, shared, layouts
 
 
-def sequential_step(first_fn, stage_fn, last_fn):
+def _model_stage(stage_params, k: int, v: int):
+    """Model stage ``k`` of params stacked ``(p, ...)`` or ``(v, p, ...)``."""
+    idx = (k,) if v == 1 else (k // P_STAGES, k % P_STAGES)
+    return jax.tree.map(lambda a: a[idx], stage_params)
+
+
+def sequential_step(first_fn, stage_fn, last_fn, v: int = 1):
     """``step(stage_params, shared, x, y) -> (loss, (stage_grads, shared_grads))`` on one
-    device, the stages one after the other on the whole batch."""
+    device, the ``v p`` stages one after the other on the whole batch."""
 
     def loss_fn(tr, st_stage, st_shared, x, y):
         tr_stage, tr_shared = tr
         stage_params = tr_stage.merge(st_stage)
         h, shared = first_fn(tr_shared.merge(st_shared), x)
-        for s in range(P_STAGES):
-            h, _ = stage_fn(jax.tree.map(lambda v, s=s: v[s], stage_params), h)
+        for k in range(v * P_STAGES):
+            h, _ = stage_fn(_model_stage(stage_params, k, v), h)
         return last_fn(shared, h, y)[0]
 
     def step(stage_params, shared, x, y):
@@ -116,15 +173,17 @@ def sequential_step(first_fn, stage_fn, last_fn):
 
 
 def slot_busy_times(first_fn, stage_fn, last_fn, shared, stage, rows, number, repeat):
-    """Measured seconds of the (forward, backward) cells the runtime runs on one
-    microbatch, for stage kinds 'first', 'mid', 'last' (one device): a forward is the
-    stage's VJP forward (stage 0: after ``first_fn``; stage p - 1: plus the value and
-    gradient of ``last_fn``), a backward pulls a cotangent back through the stage (stage
-    0: and through a recomputed ``first_fn``)."""
+    """Measured microseconds of the cells the runtime runs on one microbatch, for stage
+    kinds 'first', 'mid', 'last' (one device): ``(F, B, B_in, W)``. A forward is the
+    stage's VJP forward (stage 0: after ``first_fn``; the last stage: plus the value and
+    gradient of ``last_fn``); a backward B pulls a cotangent back through the stage
+    (stage 0: and through a recomputed ``first_fn``); of a split backward, B_in pulls back
+    the input cotangent only (stage 0: and through ``first_fn``, as the runtime's B does)
+    and W the weight gradient only."""
     r = np.random.default_rng(1)
     x = jnp.asarray(r.normal(size=(rows, D_IO)), jnp.float32)
     y = jnp.asarray(r.normal(size=(rows, D_IO)), jnp.float32)
-    width = stage["stage", "fc2", "bias"].value.shape[0]
+    width = stage["stage", "block_0", "fc2", "bias"].value.shape[0]
     h = jnp.asarray(r.normal(size=(rows, width)), jnp.float32)
     tr, st = stage.split()
     tr_sh, st_sh = shared.split()
@@ -151,13 +210,29 @@ def slot_busy_times(first_fn, stage_fn, last_fn, shared, stage, rows, number, re
             return d_tr, pf(d_h)
         return d_tr, d_h
 
+    def backward_input(kind, tr, tr_sh, h, ct):
+        _, pull = jax.vjp(lambda h: stage_out(tr, h), h)
+        (d_h,) = pull(ct)
+        if kind == "first":
+            _, pf = jax.vjp(lambda p: first_fn(p.merge(st_sh), x)[0], tr_sh)
+            return pf(d_h)
+        return d_h
+
+    def backward_weight(tr, h, ct):
+        _, pull = jax.vjp(lambda tr: stage_out(tr, h), tr)
+        return pull(ct)
+
     fns = {}
     for kind in ("first", "mid", "last"):
         fwd = jax.jit(lambda a, b, c, k=kind: jax.tree.leaves(forward(k, a, b, c)[:2]))
         bwd = jax.jit(lambda a, b, c, d, k=kind: backward(k, a, b, c, d))
+        bin_ = jax.jit(lambda a, b, c, d, k=kind: backward_input(k, a, b, c, d))
         args = (tr, tr_sh, h)
         fns[kind, "F"] = lambda f=fwd, a=args: jax.block_until_ready(f(*a))
         fns[kind, "B"] = lambda f=bwd, a=args: jax.block_until_ready(f(*a, h))
+        fns[kind, "Bin"] = lambda f=bin_, a=args: jax.block_until_ready(f(*a, h))
+    bw = jax.jit(backward_weight)
+    fns["W"] = lambda: jax.block_until_ready(bw(tr, h, h))
     fwd_only = jax.jit(lambda a, c: stage_out(a, c))
     fns["only"] = lambda: jax.block_until_ready(fwd_only(tr, h))
     for f in fns.values():
@@ -168,19 +243,24 @@ def slot_busy_times(first_fn, stage_fn, last_fn, shared, stage, rows, number, re
     for _ in range(repeat):
         for key, f in fns.items():
             best[key] = min(best[key], _timing.per_call_us(f, number, 1))
-    # a backward without its forward (the backward jit recomputes the forward first)
+    # a backward without its forward (the backward jits recompute the forward first)
+    bare = lambda key: max(best[key] - best["only"], 0.0)  # noqa: E731
     return {
-        k: (best[k, "F"], max(best[k, "B"] - best["only"], 0.0)) for k in ("first", "mid", "last")
+        k: (best[k, "F"], bare((k, "B")), bare((k, "Bin")), bare("W"))
+        for k in ("first", "mid", "last")
     }
 
 
 def weighted_idle(schedule, busy) -> float:
-    """`Schedule.idle_fraction` with the measured per-stage forward / backward times."""
-    p = schedule.num_stages
-    kinds = ["first"] + ["mid"] * (p - 2) + ["last"]
-    return schedule.idle_fraction(
-        forward=[busy[k][0] for k in kinds], backward=[busy[k][1] for k in kinds]
-    )
+    """`Schedule.idle_fraction` with the measured cell times, one per virtual stage
+    (`busy`: the times of the cells of one stage of the schedule's size)."""
+    n = schedule.num_stages * schedule.virtual_stages
+    kinds = ["first"] + ["mid"] * (n - 2) + ["last"]
+    if schedule.split_backward:
+        b, w = [busy[k][2] for k in kinds], [busy[k][3] for k in kinds]
+    else:
+        b, w = [busy[k][1] for k in kinds], 0.0
+    return schedule.idle_fraction(forward=[busy[k][0] for k in kinds], backward=b, weight=w)
 
 
 def save_plot(ms, mem, per_mb, path):
@@ -190,7 +270,7 @@ def save_plot(ms, mem, per_mb, path):
     import matplotlib.pyplot as plt
 
     fig, (ax, bx_) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
-    for name, style in (("gpipe", "o-"), ("1f1b", "s-"), ("1f1b-2f", "d-"), ("sequential", "^--")):
+    for name, style in (*zip(SCHEDULES, STYLES, strict=True), ("sequential", "^--")):
         ax.plot(ms, [mem[name, m] / 2**20 for m in ms], style, label=name)
         bx_.plot(ms, [per_mb[name, m] / 1e3 for m in ms], style, label=name)
     for a, label, title in (
@@ -220,7 +300,7 @@ def save_busy_plot(ms, idle, path):
     fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=100)
     ax.plot(ms, [1 - (P_STAGES - 1) / (m + P_STAGES - 1) for m in ms], "k--",
             label="textbook 1 - (p-1)/(m+p-1)")  # fmt: skip
-    for name, style in (("gpipe", "o-"), ("1f1b", "s-"), ("1f1b-2f", "d-")):
+    for name, style in zip(SCHEDULES, STYLES, strict=True):
         ax.plot(ms, [1 - idle[name, m][1] for m in ms], style, label=f"{name} (measured cells)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ms, [str(m) for m in ms])
@@ -243,7 +323,7 @@ def copy_count(compiled) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    COUNTS.add_to(ap, quick_help="tiny model, m in {4, 8} (smoke test)")
+    COUNTS.add_to(ap, quick_help="tiny model, m = 8 only (smoke test)")
     ap.add_argument("--plot", default=PLOT, help="where to save the memory-vs-m PNG ('' none)")
     args = ap.parse_args(argv)
     rounds, steps, warmup = COUNTS.resolve(ap, args)
@@ -252,32 +332,39 @@ def main(argv: list[str] | None = None) -> int:
         log("needs 8 devices")
         return 1
     width, rows = (16, 4) if args.quick else (128, 64)
-    ms = [4, 8] if args.quick else [4, 8, 16, 32, 64]
+    ms = [8] if args.quick else [4, 8, 16, 32, 64]
     mesh = bp.make_mesh((P_STAGES,), ("stage",), devices=jax.devices()[:P_STAGES])
-    first_fn, stage_fn, last_fn, shared, stages = build_model(width)
-    stacked = bp.stack_stages(stages)
-    seq = jax.jit(sequential_step(first_fn, stage_fn, last_fn))
+    first_fn, last_fn, shared, layouts = build_model(width)
+    # the sequential model, timed with the stages' layout; the references per layout
+    seqs = {v: jax.jit(sequential_step(first_fn, layouts[v][0], last_fn, v)) for v in layouts}
+    seq, stacked = seqs[1], layouts[1][1]
     contenders, mem, checks, idle, copies, slots = [], {}, [], {}, {}, {}
     with jax.default_matmul_precision("highest"):
-        busy = slot_busy_times(first_fn, stage_fn, last_fn, shared, stages[0], rows,
-                               number=5 if args.quick else 50, repeat=3)  # fmt: skip
+        busy = {
+            v: slot_busy_times(first_fn, fn, last_fn, shared, _model_stage(params, 0, v), rows,
+                               number=5 if args.quick else 50, repeat=3)
+            for v, (fn, params) in layouts.items()
+        }  # fmt: skip
         for m in ms:
             r = np.random.default_rng(m)
             x = jnp.asarray(r.normal(size=(rows * m, D_IO)), jnp.float32)
             y = jnp.asarray(r.normal(size=(rows * m, D_IO)), jnp.float32)
-            ref_loss, (ref_g, ref_g_sh) = seq(stacked, shared, x, y)
+            refs = {v: seqs[v](layouts[v][1], shared, x, y) for v in layouts}
             mem["sequential", m] = seq.lower(stacked, shared, x, y).compile().memory_analysis()
             contenders.append(
                 Contender(f"seq m={m}", lambda x=x, y=y: seq(stacked, shared, x, y)[0])
             )
             for name in SCHEDULES:
+                v = _virtual(name)
+                stage_fn, params = layouts[v]
+                ref_loss, (ref_g, ref_g_sh) = refs[v]
                 fn = jax.jit(bp.pipeline_value_and_grad(
                     stage_fn, last_fn, mesh, schedule=name, num_microbatches=m,
-                    first_fn=first_fn))  # fmt: skip
-                compiled = fn.lower(stacked, shared, x, y).compile()
+                    first_fn=first_fn, virtual_stages=v if v > 1 else None))  # fmt: skip
+                compiled = fn.lower(params, shared, x, y).compile()
                 mem[name, m] = compiled.memory_analysis()
                 copies[name, m] = copy_count(compiled)
-                loss, (g, g_sh), _ = fn(stacked, shared, x, y)
+                loss, (g, g_sh), _ = fn(params, shared, x, y)
                 err = max(
                     float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
                     for a, b in zip(
@@ -285,20 +372,25 @@ def main(argv: list[str] | None = None) -> int:
                     )  # fmt: skip
                 )
                 rel = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
-                np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+                np.testing.assert_allclose(float(loss), float(refs[1][0]), rtol=1e-5)
                 for a, b in zip(jax.tree.leaves((g, g_sh)), jax.tree.leaves((ref_g, ref_g_sh)),
                                 strict=True):  # fmt: skip
                     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
                 checks.append(f"{name} m={m}: loss rel. error {rel:.1e}, max |grad diff| / max "
                               f"|grad| per leaf {err:.1e} vs the sequential model")  # fmt: skip
-                sched = {"gpipe": bp.gpipe_schedule(P_STAGES, m),
-                         "1f1b": bp.one_f_one_b_schedule(P_STAGES, m),
-                         "1f1b-2f": bp.one_f_one_b_schedule(P_STAGES, m, forwards_per_slot=2),
-                         }[name]  # fmt: skip
+                sched = table_of(name, m)
                 slots[name, m] = sched.num_slots
-                idle[name, m] = (sched.idle_fraction(1.0, 2.0), weighted_idle(sched, busy))
+                # the table with a backward of two forwards (ZB-H1: B and W one each)
+                table_idle = (
+                    sched.idle_fraction(1.0, 1.0, 1.0)
+                    if sched.split_backward
+                    else sched.idle_fraction(1.0, 2.0)
+                )
+                idle[name, m] = (table_idle, weighted_idle(sched, busy[v]))
                 contenders.append(
-                    Contender(f"{name} m={m}", lambda fn=fn, x=x, y=y: fn(stacked, shared, x, y)[0])
+                    Contender(
+                        f"{name} m={m}", lambda fn=fn, p=params, x=x, y=y: fn(p, shared, x, y)[0]
+                    )
                 )
         mem = {k: int(v.temp_size_in_bytes) for k, v in mem.items()}
         for c in checks:
@@ -307,7 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     pairs = _timing.compare(
         results,
         [Pair(f"{n} m={m}", f"{n} m={m}", f"seq m={m}") for m in ms for n in SCHEDULES]
-        + [Pair(f"packed m={m}", f"1f1b-2f m={m}", f"1f1b m={m}") for m in ms],
+        + [Pair(f"packed m={m}", f"1f1b-2f m={m}", f"1f1b m={m}") for m in ms]
+        + [
+            Pair(f"{n} vs 1f1b m={m}", f"{n} m={m}", f"1f1b m={m}")
+            for m in ms
+            for n in ("interleaved", "zb")
+        ],
     )
     ratio = {p.name: p for p in pairs}
     us = {name: 1e6 * float(np.median([r[name].median for r in results])) for name in results[0]}
@@ -322,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                 n, m, slots[n, m], rows * m, f"{us[f'{n} m={m}']:.0f}", f"{per_mb[n, m]:.0f}",
                 f"{per_mb[n, m] / per_mb[n, ms[0]]:.2f}", f"{us[f'seq m={m}']:.0f}",
                 f"{pr.median_ratio:.2f}x", f"{mem[n, m]:,}", f"{mem['sequential', m]:,}",
-                f"{mem[n, m] / mem[n, ms[0]]:.2f}", copies[n, m], f"{theory:.3f}",
+                f"{mem[n, m] / mem[n, ms[0]]:.2f}", f"{mem[n, m] / mem['1f1b', m]:.2f}",
+                copies[n, m], f"{theory:.3f}",
                 f"{idle[n, m][0]:.3f}", f"{idle[n, m][1]:.3f}", f"{1 - idle[n, m][1]:.3f}",
             ])  # fmt: skip
             log(" | ".join(str(c) for c in rows_out[-1]))
@@ -332,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             m, f"{1 - (P_STAGES - 1) / (m + P_STAGES - 1):.3f}",
             *(f"{1 - idle[n, m][1]:.3f}" for n in SCHEDULES),
             f"{ratio[f'packed m={m}'].median_ratio:.2f}x",
+            f"{ratio[f'interleaved vs 1f1b m={m}'].median_ratio:.2f}x",
+            f"{ratio[f'zb vs 1f1b m={m}'].median_ratio:.2f}x",
         ])  # fmt: skip
         log(" | ".join(str(c) for c in busy_rows[-1]))
     if args.plot:
@@ -342,23 +442,29 @@ def main(argv: list[str] | None = None) -> int:
     header = ["schedule", "m", "slots", "global batch", "us/step", "us per microbatch",
               f"per microbatch / m={ms[0]}", "sequential us/step",
               "ratio to sequential (median)", "temp bytes", "sequential temp bytes",
-              f"temp / temp(m={ms[0]})", "copy ops", "(p-1)/(m+p-1)", "idle, table (B = 2 F)",
+              f"temp / temp(m={ms[0]})", "temp / 1f1b temp", "copy ops", "(p-1)/(m+p-1)",
+              "idle, table (B = 2 F)",
               "idle, busy-time weighted", "busy fraction (model)"]  # fmt: skip
-    b = {k: f"{v[0]:.0f} / {v[1]:.0f}" for k, v in busy.items()}
+    b = {v: {k: " / ".join(f"{t:.0f}" for t in ts) for k, ts in bv.items()}
+         for v, bv in busy.items()}  # fmt: skip
     lines = [
-        f"## Pipeline parallelism: GPipe vs 1F1B vs sequential, p = {P_STAGES}",
+        f"## Pipeline parallelism: GPipe vs 1F1B vs interleaved vs ZB-H1 vs sequential, "
+        f"p = {P_STAGES}",
         "",
-        "Schedules: `gpipe`, `1f1b` (one action per slot) and `1f1b-2f` (1F1B whose slots "
-        "hold one backward or two forwards: `one_f_one_b_schedule(p, m, forwards_per_slot=2)`).",
+        "Schedules: `gpipe`, `1f1b` (one action per slot), `1f1b-2f` (1F1B whose slots "
+        "hold one backward or two forwards: `one_f_one_b_schedule(p, m, forwards_per_slot=2)`), "
+        f"`interleaved` (interleaved 1F1B, {V_CHUNKS} chunks per device: "
+        f"`interleaved_schedule(p, m, {V_CHUNKS})`) and `zb` (ZB-H1, the backward split into "
+        "the input-gradient B and the weight-gradient W: `zero_bubble_schedule(p, m)`).",
         "",
         *_timing.run_header(env, started, command),
-        f"- Model: Linear embedding {D_IO} -> {width} (stage 0), {P_STAGES} residual MLP "
-        f"stages (LayerNorm, {width} -> {4 * width} -> {width}, gelu), Linear head -> "
-        f"{D_IO} and MSE (stage {P_STAGES - 1}); {rows} rows per microbatch, so the global "
-        "batch (and the work) grows with m. One step = loss + all gradients; pipelines on a "
-        f"{P_STAGES}-device `stage` mesh (`bp.pipeline_value_and_grad`), the sequential model "
-        "(`jax.value_and_grad`, stages in turn, whole batch) on one device. Float32, highest "
-        "matmul precision.",
+        f"- Model: Linear embedding {D_IO} -> {width} (stage 0), {BLOCKS} residual MLP "
+        f"blocks (LayerNorm, {width} -> {2 * width} -> {width}, gelu), two per stage (one per "
+        f"chunk for `interleaved`), Linear head -> {D_IO} and MSE (the last stage); {rows} "
+        "rows per microbatch, so the global batch (and the work) grows with m. One step = "
+        f"loss + all gradients; pipelines on a {P_STAGES}-device `stage` mesh "
+        "(`bp.pipeline_value_and_grad`), the sequential model (`jax.value_and_grad`, blocks "
+        "in turn, whole batch) on one device. Float32, highest matmul precision.",
         _timing.counts_bullet(
             rounds,
             steps,
@@ -366,20 +472,29 @@ def main(argv: list[str] | None = None) -> int:
             "interleaved in a random order per cycle",
             "model and counts shrunk, numbers meaningless" if args.quick else None,
         ),  # fmt: skip
-        f"- Measured busy time of one forward / one backward cell on one microbatch (us; "
-        f"stage 0's backward recomputes and differentiates the embedding, stage {P_STAGES - 1}'s "
-        f"forward differentiates the head and loss): first {b['first']}, middle {b['mid']}, "
-        f"last {b['last']}.",
+        "- Measured busy time of the cells on one microbatch, F / B / B (input part) / W "
+        "(weight part), us (stage 0's backward and B recompute and differentiate the "
+        "embedding, the last stage's forward differentiates the head and loss): a stage of "
+        f"two blocks: first {b[1]['first']}, middle {b[1]['mid']}, last {b[1]['last']}; a "
+        f"chunk of one block: first {b[V_CHUNKS]['first']}, middle {b[V_CHUNKS]['mid']}, "
+        f"last {b[V_CHUNKS]['last']}.",
         "",
         "Busy fraction (1 - idle) of the slot-synchronous runtime, from the measured cell "
         "times placed in each schedule's table (see below), next to the textbook "
-        "1 - (p-1)/(m+p-1); and the measured step time of `1f1b-2f` over plain `1f1b` "
-        "(median over rounds of the same-round ratio):",
+        "1 - (p-1)/(m+p-1); and the measured step times of `1f1b-2f`, `interleaved` and `zb` "
+        "over plain `1f1b` (median over rounds of the same-round ratio):",
         "",
         _timing.format_table(
-            ["m", "textbook", *(f"busy, {n}" for n in SCHEDULES), "step time 1f1b-2f / 1f1b"],
+            [
+                "m",
+                "textbook",
+                *(f"busy, {n}" for n in SCHEDULES),
+                "step time 1f1b-2f / 1f1b",
+                "step time interleaved / 1f1b",
+                "step time zb / 1f1b",
+            ],
             busy_rows,
-        ),
+        ),  # fmt: skip
         "",
         "![busy fraction vs m](img/pipeline_busy.png)",
         "",
@@ -389,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         "cells of the schedule the runtime follows with a forward of 1 and a backward of 2 "
         "on every stage (`Schedule.idle_fraction(1, 2)`: the textbook bubble for GPipe, more "
         "for plain 1F1B, whose slots pair a forward on one stage with a backward on the "
-        "next); "
+        "next; for `zb` B = W = 1, `idle_fraction(1, 1, 1)`; `interleaved` counts chunk "
+        "cells); "
         "*busy-time weighted* puts the measured forward / backward times above into the "
         "table's cells and, since every slot ends with a `ppermute` (slot-synchronous), lets "
         "each slot last as long as its slowest cell: idle = 1 - sum(busy) / (p x sum of the "
@@ -409,7 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Temp memory (per device, of the compiled program): GPipe stashes all m "
         "microbatches' activation residuals per stage and grows about linearly with m; "
-        "1F1B stashes at most p (`1f1b-2f`: 2p) and stays flat. Plot: "
+        "1F1B stashes at most p (`1f1b-2f`: 2p) and stays flat; `interleaved` up to "
+        f"2 (p - 1) + (v - 1) p + 1 chunk stashes of half a stage (the bound "
+        f"1 + (p - 1)/(v p) = {1 + (P_STAGES - 1) / (V_CHUNKS * P_STAGES):.3f} x 1F1B's); `zb` "
+        "p microbatches from F to W, plus the cotangents kept from B to W. Plot: "
         "`docs/img/pipeline_memory.png`.",
         "",
         *_timing.same_math_section(checks),

@@ -1,7 +1,10 @@
-"""A small GPT-style character LM trained pipeline-parallel (GPipe or 1F1B) over P stages.
+"""A small GPT-style character LM trained pipeline-parallel (GPipe, 1F1B, interleaved 1F1B
+or zero-bubble ZB-H1) over P stages.
 
     python examples/pipeline_lm.py                              # 1F1B, 4 stages, 200 steps
     python examples/pipeline_lm.py --schedule gpipe             # GPipe: the same losses
+    python examples/pipeline_lm.py --schedule zb                # ZB-H1 (B and W split)
+    python examples/pipeline_lm.py --schedule interleaved --stages 2 --virtual-stages 2
     python examples/pipeline_lm.py --schedule none              # one device, no pipeline
     python examples/pipeline_lm.py --data-parallel 2            # data 2 x stage 4 mesh
     python examples/pipeline_lm.py --data-parallel 2 --stages 2 --tensor-parallel 2  # 3-D
@@ -17,7 +20,10 @@ output head, with the mean cross-entropy (stage P - 1, `last_fn`). Each block is
 initialized alone (seed ``seed * 1000 + b`` for block ``b``), so the model is the same on
 every mesh; the P stages' params are stacked along a leading stage dimension
 (`blox.parallel.stack_stages`), sharded over the ``stage`` mesh axis; the embedding and the
-final norm (``shared``) are replicated. ``--schedule gpipe|1f1b|1f1b-2f``
+final norm (``shared``) are replicated. With ``--schedule interleaved`` each device holds
+``--virtual-stages V`` chunks instead (V P chunks of ``4 / (V P)`` blocks; chunk ``c`` of
+device ``s`` runs the model's chunk ``c P + s``; params stacked ``(V, P, ...)``), the same
+blocks in the same order. ``--schedule gpipe|1f1b|1f1b-2f|interleaved|zb``
 builds the step with `blox.parallel.pipeline_value_and_grad` on a ``data`` x ``stage``
 x ``model`` mesh of D x P x T devices (the global batch split over ``data``, each data
 row split into ``--microbatches M`` microbatches; with ``--tensor-parallel T`` > 1 each
@@ -26,7 +32,7 @@ columns are split over ``model``, laid out by ``bp.transformer_tp_rules()`` pass
 ``stage_specs``: the same params, the same math); ``--schedule none`` runs the same stacked params
 stage after stage on one device with ``jax.value_and_grad`` of the full batch (the mean
 of M equal microbatch means is the full-batch mean). The gradients go to one
-``optax.adamw`` update in every case, so the three print the same losses (to about 1e-6).
+``optax.adamw`` update in every case, so all print the same losses (to about 1e-6).
 
 Before training the script prints the schedule table (pipelined runs), then
 ``temp_bytes=<int>``: the temp (scratch) bytes of the compiled step from
@@ -101,17 +107,26 @@ class Stage(bx.Module):
 
 
 def build(
-    width: int, blocks: int, heads: int, context: int, stages: int, seed: int, parallel=False
+    width: int,
+    blocks: int,
+    heads: int,
+    context: int,
+    stages: int,
+    seed: int,
+    parallel=False,
+    virtual_stages: int = 1,
 ):
     """The model's three functions and its initial ``(stage_params, shared_params)``:
-    stage params stacked ``(P, ...)``, shared params (embedding, final norm) replicated.
+    stage params stacked ``(P, ...)`` (``(V, P, ...)`` with `virtual_stages` V > 1), shared
+    params (embedding, final norm) replicated.
 
     The model does not depend on the mesh: `blocks` transformer blocks in all, block ``b``
-    initialized alone with seed ``seed * 1000 + b``; stage ``s`` runs blocks ``s k`` to
-    ``s k + k - 1`` (``k = blocks / stages``, as its ``block_0 .. block_{k-1}``).
-    `parallel`: the stage's blocks are tensor-parallel (the same params, run inside the
-    pipeline's ``shard_map`` with the ``model`` axis bound)."""
-    k = blocks // stages
+    initialized alone with seed ``seed * 1000 + b``; (virtual) stage ``s`` of the
+    ``V P`` runs blocks ``s k`` to ``s k + k - 1`` (``k = blocks / (V P)``, as its
+    ``block_0 .. block_{k-1}``). `parallel`: the stage's blocks are tensor-parallel (the
+    same params, run inside the pipeline's ``shard_map`` with the ``model`` axis bound)."""
+    chunks = stages * virtual_stages
+    k = blocks // chunks
     g = bx.Graph("lm")
     rng = bx.Rng(g / "rng")
     embed = bx.Embed(g / "embed", len(CHARS), width, rng)
@@ -158,9 +173,9 @@ def build(
                 lambda a, b: a.merge(b),
                 [inits[j](jnp.int32(seed * 1000 + s * k + j)) for j in range(k)],
             )
-            for s in range(stages)
+            for s in range(chunks)
         ]
-        return bp.stack_stages(per_stage), init_shared()
+        return bp.stack_stages(per_stage, virtual_stages=virtual_stages), init_shared()
 
     return first_fn, stage_fn, last_fn, init
 
@@ -196,8 +211,18 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "1f1b-2f", "none"], default="1f1b")
+    parser.add_argument(
+        "--schedule",
+        choices=["gpipe", "1f1b", "1f1b-2f", "interleaved", "zb", "none"],
+        default="1f1b",
+    )
     parser.add_argument("--stages", type=int, default=4, help="P, pipeline stages (devices)")
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=2,
+        help="V, stage chunks per device (--schedule interleaved only)",
+    )
     parser.add_argument("--microbatches", type=int, default=None, help="M (default 2 P)")
     parser.add_argument("--data-parallel", type=int, default=1, help="D, data-parallel rows")
     parser.add_argument(
@@ -208,22 +233,32 @@ def main(argv: list[str] | None = None) -> list[float]:
     steps = args.steps if args.steps is not None else steps
     p, d, tp = args.stages, args.data_parallel, args.tensor_parallel
     m = args.microbatches if args.microbatches is not None else 2 * p
+    v = args.virtual_stages if args.schedule == "interleaved" else 1
     if p < 1 or d < 1 or tp < 1 or m < 1 or steps < 0:
         parser.error(
             "--stages, --data-parallel, --tensor-parallel and --microbatches must be >= 1, "
             "--steps >= 0"
         )
+    if args.schedule == "interleaved" and v < 2:
+        parser.error(f"--schedule interleaved needs --virtual-stages >= 2; got {v}")
     if args.schedule != "none" and p * d * tp > jax.device_count():
         parser.error(
             f"--stages {p} x --data-parallel {d} x --tensor-parallel {tp} needs {p * d * tp} "
             f"devices; there are {jax.device_count()}"
         )
-    if layers % p:
-        parser.error(f"--stages {p} must divide the {layers} blocks of --size {args.size}")
+    if layers % (v * p):
+        parser.error(
+            f"--stages {p} x --virtual-stages {v} must divide the {layers} blocks of --size "
+            f"{args.size}" + (" (try --stages 2)" if v > 1 else "")
+        )
     if heads % tp:
         parser.error(f"--tensor-parallel {tp} must divide the {heads} heads of --size {args.size}")
-    if args.schedule.startswith("1f1b") and m < p:
-        parser.error(f"1F1B needs --microbatches >= --stages ({p}); got {m} (or use gpipe)")
+    if args.schedule in ("1f1b", "1f1b-2f", "zb") and m < p:
+        parser.error(
+            f"{args.schedule} needs --microbatches >= --stages ({p}); got {m} (or use gpipe)"
+        )
+    if args.schedule == "interleaved" and m % p:
+        parser.error(f"interleaved needs --microbatches a multiple of --stages ({p}); got {m}")
     if batch % (m * d):
         parser.error(
             f"the global batch of --size {args.size} is {batch}, which --microbatches {m} x "
@@ -233,7 +268,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     data = load_tokens()
     parallel = args.schedule != "none" and tp > 1
     first_fn, stage_fn, last_fn, init = build(
-        width, layers, heads, context, p, args.seed, parallel=parallel
+        width, layers, heads, context, p, args.seed, parallel=parallel, virtual_stages=v
     )
     tx = optax.adamw(lr, weight_decay=0.01)
 
@@ -250,13 +285,15 @@ def main(argv: list[str] | None = None) -> list[float]:
         stage_params, shared = init()
         # One stage's layout (TP: heads and MLP columns over 'model'; else replicated).
         rules = bp.transformer_tp_rules() if parallel else []
-        one_stage = jax.tree.map(lambda v: v[0], stage_params)
+        lead = (0,) * (1 if v == 1 else 2)  # leaves (P, ...), or (V, P, ...) when interleaved
+        one_stage = jax.tree.map(lambda a: a[lead], stage_params)
         specs = bp.param_specs(one_stage, rules, mesh, replicate_rest=True)
         grad_fn = bp.pipeline_value_and_grad(
             stage_fn,
             last_fn,
             mesh,
             schedule=args.schedule,
+            virtual_stages=v if v > 1 else None,
             num_microbatches=m,
             first_fn=first_fn,
             stage_axis="stage",
@@ -267,10 +304,13 @@ def main(argv: list[str] | None = None) -> list[float]:
             "gpipe": lambda: bp.gpipe_schedule(p, m),
             "1f1b": lambda: bp.one_f_one_b_schedule(p, m),
             "1f1b-2f": lambda: bp.one_f_one_b_schedule(p, m, forwards_per_slot=2),
+            "interleaved": lambda: bp.interleaved_schedule(p, m, v),
+            "zb": lambda: bp.zero_bubble_schedule(p, m),
         }[args.schedule]()
         print(table, flush=True)
+        stage_dims = ("stage",) if v == 1 else (None, "stage")
         stage_shardings = jax.tree.map(
-            lambda spec: NamedSharding(mesh, P("stage", *(spec or ()))), specs
+            lambda spec: NamedSharding(mesh, P(*stage_dims, *(spec or ()))), specs
         )
         stage_params = jax.device_put(stage_params, stage_shardings)
         shared = jax.device_put(shared, NamedSharding(mesh, P()))

@@ -15,7 +15,8 @@ behind the user's back.
   `ParallelMultiHeadAttention`, `ParallelTransformerBlock`.
 * Per-device RNG streams: `fold_seeds`, `restore_seeds`.
 * Pipeline parallelism: `pipeline_value_and_grad`, `stack_stages`, `unstack_stages`,
-  `Schedule`, `Action`, `gpipe_schedule`, `one_f_one_b_schedule`.
+  `Schedule`, `Action`, `Program`, `gpipe_schedule`, `one_f_one_b_schedule`,
+  `interleaved_schedule`, `zero_bubble_schedule`.
 """
 
 from blox.parallel._collectives import all_gather as all_gather
@@ -46,9 +47,12 @@ from blox.parallel._rules import param_shardings as param_shardings
 from blox.parallel._rules import param_specs as param_specs
 from blox.parallel._rules import sharding_table as sharding_table
 from blox.parallel._schedules import Action as Action
+from blox.parallel._schedules import Program as Program
 from blox.parallel._schedules import Schedule as Schedule
 from blox.parallel._schedules import gpipe_schedule as gpipe_schedule
+from blox.parallel._schedules import interleaved_schedule as interleaved_schedule
 from blox.parallel._schedules import one_f_one_b_schedule as one_f_one_b_schedule
+from blox.parallel._schedules import zero_bubble_schedule as zero_bubble_schedule
 from blox.parallel._tp import ColumnParallelLinear as ColumnParallelLinear
 from blox.parallel._tp import ParallelMLP as ParallelMLP
 from blox.parallel._tp import ParallelMultiHeadAttention as ParallelMultiHeadAttention

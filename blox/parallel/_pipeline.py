@@ -1,6 +1,6 @@
-"""Pipeline parallelism: p stages over a mesh axis, m microbatches, run slot by slot
-after a static `Schedule` table (GPipe, 1F1B or yours) with ``jax.shard_map`` +
-``lax.ppermute``.
+"""Pipeline parallelism: p devices over a mesh axis, m microbatches, run slot by slot
+after a static `Schedule` table (GPipe, 1F1B, interleaved 1F1B, ZB-H1 or yours) with
+``jax.shard_map`` + ``lax.ppermute``.
 
 The runtime, top to bottom:
 
@@ -8,21 +8,24 @@ The runtime, top to bottom:
   ``jax.shard_map`` (``check_vma=True``) of `_pipeline_body` over the whole mesh.
 * `_pipeline_body` (one device) probes the stage's VJP once (`_residual_layout`): which
   residuals depend on the activation or the stage's state (stashed per microbatch) and
-  which only on the params (computed once per step, `_param_residuals`). It allocates the
-  ring buffers (`_Buffers`: stash, forward inbox, backward inbox) and runs one
-  ``lax.scan`` of `_slot` over the table's time slots; then it reduces loss and gradients
-  (``psum`` over the stage axis for the shared params, ``pmean`` over the data axis;
-  stage leaves sharded over the data axis (FSDP), reduce-scattered by ``fsdp_call``,
-  only divided by its size).
-* `_slot` (one time slot) runs this stage's cell of the table, one action after the
+  which only on the params (computed once per step and per chunk, `_param_residuals`).
+  It allocates the buffers (`_Buffers`: stash, forward inbox, backward inbox, and the
+  cotangents a split backward keeps from B to W), sized by `Schedule.program`, and runs
+  one ``lax.scan`` of `_slot` over the table's time slots; then it reduces loss and
+  gradients (``psum`` over the stage axis for the shared params, ``pmean`` over the data
+  axis; stage leaves sharded over the data axis (FSDP), reduce-scattered by
+  ``fsdp_call``, only divided by its size).
+* `_slot` (one time slot) runs this device's cell of the program, one action after the
   other (`_lane`; a cell may hold several, e.g. two forwards under ``'1f1b-2f'``): each
-  reads the microbatch's entries of the buffers (``dynamic_slice``), runs
-  `_forward_cell`, `_backward_cell` or `_idle_cell` (a ``lax.switch`` whose operands are
-  all of one microbatch's size) and writes its stash entry back at the top level
-  (``dynamic_update_slice``). Then the slot moves each action's activation one stage
-  forward and its cotangent one stage backward (``ppermute``\\ s, the slot's only
-  synchronisation) and files what arrived in the inboxes. No buffer whose size grows with
-  ``m`` is an operand of a conditional, so a slot costs the same at any ``m``.
+  reads the entries the program names (``dynamic_slice``: inbox, stash, kept cotangent,
+  its microbatch, its chunk's params, residuals and state), runs `_forward_cell`,
+  `_backward_cell`, `_weight_cell` or `_idle_cell` (a ``lax.switch`` whose operands are
+  all of one microbatch's or one chunk's size) and writes its entries back at the top
+  level (``dynamic_update_slice``). Then the slot moves each action's activation to the
+  next virtual stage and its cotangent to the previous one (``ppermute``\\ s carrying
+  the receiver's entry, the slot's only synchronisation; circular with virtual stages)
+  and files what arrived. No buffer whose size grows with ``m`` is an operand of a
+  conditional, so a slot costs the same at any ``m``.
 
 What is stashed between a microbatch's forward and its backward: the stage's VJP
 residuals that depend on its input activation or its non-trainable state (with
@@ -30,7 +33,14 @@ residuals that depend on its input activation or its non-trainable state (with
 ``first_fn`` saw. Not stashed: residuals of the params alone (casts for mixed precision,
 transposes), computed once per step; ``last_fn``, which the last stage differentiates in
 its forward slot (it keeps only the cotangent of its output); ``first_fn``, which stage 0
-recomputes in its backward slot.
+recomputes in its backward slot. A split backward (tables with ``W`` actions) keeps the
+stash until the ``W`` and, from ``B`` to ``W``, the cotangent ``B`` received: ``B``
+evaluates the stage's VJP for the input cotangent only and ``W`` for the weight gradient
+only (in each branch XLA removes the other half as dead code). For a stage of one matrix
+product B + W cost one whole backward; ``W`` re-derives the cotangents inside the stage
+from the one ``B`` kept, so a stage of ``n`` chained products runs ``3 n - 1`` of them in
+B + W against the whole backward's ``2 n`` (keeping every inner cotangent from ``B`` to
+``W`` instead would cost about one more stash per microbatch in flight).
 """
 
 from __future__ import annotations
@@ -49,7 +59,7 @@ from blox.core import Params
 from blox.core._params import Path, format_path
 from blox.parallel._fsdp import _sharded_dims, _with_marks, _without_marks
 from blox.parallel._mesh import constrain, varying_axes
-from blox.parallel._schedules import BACKWARD, FORWARD, IDLE, Schedule, schedule_from
+from blox.parallel._schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule, schedule_from
 
 __all__ = ["pipeline_value_and_grad", "stack_stages", "unstack_stages"]
 
@@ -60,23 +70,57 @@ _BAD_RETURN = (
 )
 
 
-def stack_stages(stages: list[Params]) -> Params:
+def _check_virtual(fn: str, virtual_stages: Any) -> int:
+    if (
+        not isinstance(virtual_stages, (int, np.integer))
+        or isinstance(virtual_stages, bool)
+        or virtual_stages < 1
+    ):
+        raise ValueError(
+            f"{fn}: virtual_stages must be an int >= 1 (the stage chunks per device), got "
+            f"{virtual_stages!r}."
+        )
+    return int(virtual_stages)
+
+
+def stack_stages(stages: list[Params], *, virtual_stages: int = 1) -> Params:
     """Stacks ``p`` per-stage `Params` of the same structure into one whose every leaf has
     a leading stage dimension ``p`` (to shard over the pipeline axis with
-    ``PartitionSpec(axis)``).
+    ``PartitionSpec(axis)``); with ``virtual_stages=v``, ``v p`` stages into leaves with
+    leading dimensions ``(v, p)`` (``PartitionSpec(None, axis)``: device ``s`` holds the
+    model's stages ``s, p + s, ..., (v - 1) p + s``, the chunks of an interleaved schedule).
 
     Args:
-      stages: ``p`` Params with identical paths, shapes and dtypes (e.g. one transformer
-        block initialized ``p`` times with different seeds).
+      stages: ``p`` (or ``v p``) Params with identical paths, shapes and dtypes, in model
+        order (e.g. one transformer block initialized ``p`` times with different seeds).
+      virtual_stages: ``v >= 1``, the stage chunks per device.
 
     Returns:
-      Params with leaves ``(p, *shape)``.
+      Params with leaves ``(p, *shape)``; with ``v > 1``, ``(v, p, *shape)`` whose
+      ``[c, s]`` is model stage ``c p + s``.
 
     Raises:
-      ValueError: the list is empty or the structures differ (names the path).
+      ValueError: the list is empty, its length is not a multiple of ``v``, or the
+        structures differ (names the path).
+
+    Example:
+      >>> import jax.numpy as jnp, blox as bx
+      >>> from blox.parallel import stack_stages
+      >>> g = bx.Graph('s'); rng = bx.Rng(g / 'rng'); lin = bx.Linear(g / 'fc', 2, rng)
+      >>> def init(seed):
+      ...     return lin(rng.seed(bx.Params(), seed=seed), jnp.zeros((1, 2)))[1]
+      >>> stacked = stack_stages([init(k) for k in range(8)], virtual_stages=2)
+      >>> stacked['s', 'fc', 'kernel'].value.shape
+      (2, 4, 2, 2)
     """
+    v = _check_virtual("stack_stages", virtual_stages)
     if not stages:
         raise ValueError("stack_stages: got no stages; pass a list of p >= 1 Params.")
+    if len(stages) % v:
+        raise ValueError(
+            f"stack_stages: got {len(stages)} stages, not a multiple of virtual_stages={v}; "
+            f"pass v * p stages (p devices on the stage axis), in model order."
+        )
     ref = jax.tree_util.tree_structure(stages[0])
     for k, st in enumerate(stages[1:], 1):
         if jax.tree_util.tree_structure(st) != ref:
@@ -94,11 +138,15 @@ def stack_stages(stages: list[Params]) -> Params:
                     f"{jnp.shape(st[path].value)} in stage {k} but "
                     f"{jnp.shape(stages[0][path].value)} in stage 0."
                 )
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *stages)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stages)
+    if v == 1:
+        return stacked
+    return jax.tree.map(lambda x: jnp.reshape(x, (v, x.shape[0] // v, *x.shape[1:])), stacked)
 
 
-def unstack_stages(stacked: Params) -> list[Params]:
-    """The inverse of `stack_stages`: ``p`` Params, one per stage.
+def unstack_stages(stacked: Params, *, virtual_stages: int = 1) -> list[Params]:
+    """The inverse of `stack_stages`: ``p`` Params, one per stage (``v p`` in model order
+    with ``virtual_stages=v``).
 
     Concrete arrays are split on their devices by one jitted indexing (no transfer to the
     host), so stage-sharded arrays of any mesh split, also when the mesh spans several
@@ -107,11 +155,16 @@ def unstack_stages(stacked: Params) -> list[Params]:
     (``np.asarray``). Traced arrays are indexed in place.
 
     Args:
-      stacked: Params whose leaves have a leading stage dimension ``p`` (as
-        `stack_stages` or `pipeline_value_and_grad` return them).
+      stacked: Params whose leaves have a leading stage dimension ``p`` (``(v, p)`` with
+        virtual stages), as `stack_stages` or `pipeline_value_and_grad` return them.
+      virtual_stages: ``v >= 1``, the stage chunks per device.
 
     Returns:
-      ``p`` Params with leaves ``shape[1:]``.
+      ``p`` (``v p``) Params with leaves ``shape[1:]`` (``shape[2:]``); with ``v > 1``
+      entry ``c p + s`` is ``stacked[c, s]``.
+
+    Raises:
+      ValueError: with ``v > 1``, a leaf whose leading dimension is not ``v``.
 
     Example:
       >>> import jax.numpy as jnp, blox as bx
@@ -123,13 +176,24 @@ def unstack_stages(stacked: Params) -> list[Params]:
       >>> len(stages), stages[1]['s', 'fc', 'kernel'].value.shape
       (2, (2, 2))
     """
+    v = _check_virtual("unstack_stages", virtual_stages)
     leaves = jax.tree.leaves(stacked)
     if not leaves:
         return []
-    p = leaves[0].shape[0]
+    if v > 1:
+        for kp, x in jax.tree_util.tree_leaves_with_path(stacked):
+            if jnp.ndim(x) < 2 or x.shape[0] != v:
+                raise ValueError(
+                    f"unstack_stages: leaf {jax.tree_util.keystr(kp)} has shape "
+                    f"{jnp.shape(x)}, whose leading dimension should be virtual_stages={v} "
+                    "(leaves (v, p, ...) from stack_stages(..., virtual_stages=v)); pass the "
+                    "virtual_stages the params were stacked with."
+                )
+    p = leaves[0].shape[1 if v > 1 else 0]
+    index = [(c, s) for c in range(v) for s in range(p)] if v > 1 else list(range(p))
 
     def split(tree):
-        return [jax.tree.map(lambda x, k=k: x[k], tree) for k in range(p)]
+        return [jax.tree.map(lambda x, k=k: x[k], tree) for k in index]
 
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return split(stacked)
@@ -279,39 +343,49 @@ def _rebuild_vjp(layout: _Layout, stashed: list, param_res: list) -> Any:
 
 
 # -- one time slot ------------------------------------------------------------------------------
+# The columns of `Schedule.program()` the runtime reads per action, in this order (one
+# int32 array (T, p, lanes, 9) indexed once per slot).
+_COLUMNS = (
+    "kind", "microbatch", "chunk", "stash", "inbox_f", "inbox_b", "send_f", "send_b", "wgrad"
+)  # fmt: skip
+_KIND, _MB, _CHUNK, _STASH, _IN_F, _IN_B, _SEND_F, _SEND_B, _WGRAD = range(len(_COLUMNS))
+
+
 class _Ctx(NamedTuple):
     """What every slot of one device sees: static sizes and the step's invariants."""
 
     fns: _Fns
     layout: _Layout
-    sizes: dict[str, int]
-    kinds: jax.Array  # (T, p, lanes) int32, the table
-    mbs: jax.Array  # (T, p, lanes) int32
+    program: jax.Array  # (T, p, lanes, 9) int32: `_COLUMNS` of every action
     lane_kinds: tuple[tuple[int, ...], ...]  # per lane, the kinds it ever runs (IDLE first)
-    stage: jax.Array  # this device's stage index
-    is_first: jax.Array
-    is_last: jax.Array
+    split: bool  # the table splits the backward into B (input) and W (weights)
+    num_stages: int  # p devices
+    num_virtual: int  # v * p virtual stages
+    stage: jax.Array  # this device's index on the stage axis
     scale: jax.Array  # 1 / m
-    tr: Params  # this stage's trainable params
+    tr: Params  # this device's trainable params, leaves (v, ...): one chunk per row
     tr_sh: Params  # shared trainable params
-    param_res: list  # residuals of the params alone
+    param_res: list  # residuals of the params alone, leaves (v, ...)
     h_zero: Any  # zeros of the activation's type
     stage_axis: str
     perms: tuple[list, list]  # forward and backward ppermute pairs
 
 
 class _Buffers(NamedTuple):
-    """Ring buffers, indexed by ``microbatch % size`` (sizes from
-    `Schedule.buffer_sizes`): the stash (residuals from a forward to its backward, and
-    the shared state ``first_fn`` saw), activations received and cotangents received."""
+    """Buffers of entries handed out by `Schedule.program()` (an entry is reused once
+    its last reader ran): the stash (residuals from a forward to its backward, and the
+    shared state ``first_fn`` saw), activations received, cotangents received, and with
+    a split backward the cotangents a B keeps for its W."""
 
     stash: tuple[list, Params]
     inbox_f: Any
     inbox_b: Any
+    wgrad: Any
 
 
 class _Acc(NamedTuple):
-    """What a slot accumulates or threads: gradients, loss, non-trainable state."""
+    """What a slot accumulates or threads: gradients (leaves (v, ...)), loss,
+    non-trainable state (leaves (v, ...)), shared state."""
 
     g: Params
     g_sh: Params
@@ -321,38 +395,48 @@ class _Acc(NamedTuple):
 
 
 class _CellIn(NamedTuple):
-    """One microbatch's entries, read at the top level before the cell runs."""
+    """One action's entries, read at the top level before the cell runs: its buffer
+    entries, its microbatch, its chunk's params, residuals and state."""
 
     h_in: Any
     ct_in: Any
+    ct_kept: Any  # W: the cotangent its B kept
     stash_in: tuple[list, Params]
     x: Any
     y: Any
+    tr: Params
+    param_res: list
     st: Params
     st_sh: Params
+    is_first: jax.Array  # virtual stage 0
+    is_last: jax.Array  # virtual stage v * p - 1
 
 
 class _CellOut(NamedTuple):
-    h_send: Any  # activation for stage s + 1
-    ct_send: Any  # cotangent for stage s - 1
-    ct_own: Any  # last stage: the cotangent of its output, for its own backward
+    h_send: Any  # activation for the next virtual stage
+    ct_send: Any  # cotangent for the previous virtual stage
+    ct_own: Any  # last virtual stage: the cotangent of its output, for its own backward
     stash_out: tuple[list, Params]  # the stash entry to write (unchanged if no forward)
-    d_tr: Params
+    d_tr: Params  # this chunk's gradient
     d_sh: Params
     loss: jax.Array
-    st: Params
+    st: Params  # this chunk's state
     st_sh: Params
 
 
+def _no_loss(c: _Ctx) -> jax.Array:
+    return _vary(jnp.zeros((), _loss_dtype(c)), _axes(c.h_zero))
+
+
 def _forward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
-    """Forward of one microbatch: stage 0 runs ``first_fn``, the last stage runs
+    """Forward of one microbatch: virtual stage 0 runs ``first_fn``, the last runs
     ``last_fn`` and its gradient at once (loss, shared gradient, output cotangent)."""
     h_in, st_sh = lax.cond(
-        c.is_first,
+        x.is_first,
         lambda: _vary(_first(c.fns, c.tr_sh, x.st_sh, x.x), _axes(c.h_zero)),
         lambda: (x.h_in, x.st_sh),
     )
-    h_out, vjp_fn, st = _stage_vjp(c.fns, c.tr, x.st, h_in)
+    h_out, vjp_fn, st = _stage_vjp(c.fns, x.tr, x.st, h_in)
     res = [v for v, s in zip(_residuals(c.layout, vjp_fn), c.layout.stashed, strict=True) if s]
 
     def last():
@@ -362,101 +446,147 @@ def _forward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
         return loss, new_sh, d_sh, d_h
 
     loss, st_sh, d_sh, ct_own = lax.cond(
-        c.is_last,
-        last,
-        lambda: (
-            _vary(jnp.zeros((), _loss_dtype(c)), _axes(c.h_zero)),
-            st_sh,
-            _zeros(c.tr_sh),
-            c.h_zero,
-        ),
+        x.is_last, last, lambda: (_no_loss(c), st_sh, _zeros(c.tr_sh), c.h_zero)
     )
     avals = _stash_avals(c.layout)
     stash = ([_vary(v, _aval_vma(a)) for v, a in zip(res, avals, strict=True)], x.st_sh)
-    return _CellOut(h_out, c.h_zero, ct_own, stash, _zeros(c.tr), d_sh, loss, st, st_sh)
+    z = c.h_zero
+    return _CellOut(h_out, z, ct_own, stash, _zeros(x.tr), d_sh, loss, st, st_sh)
 
 
-def _backward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
-    """Backward of one microbatch from its stash; stage 0 pulls back through a
-    recomputed ``first_fn`` (with the shared state its forward saw)."""
-    res, st_sh_seen = x.stash_in
-    d_tr, d_h = _rebuild_vjp(c.layout, res, c.param_res)(x.ct_in)
+def _first_pullback(c: _Ctx, x: _CellIn, d_h: Any) -> Params:
+    """Virtual stage 0: the shared params' gradient through a recomputed ``first_fn``
+    (with the shared state its forward saw); zeros elsewhere."""
+    _, st_sh_seen = x.stash_in
 
     def first():
         _, pull = jax.vjp(lambda p: _first(c.fns, p, st_sh_seen, x.x)[0], c.tr_sh)
         return pull(d_h)[0]
 
-    d_sh = lax.cond(c.is_first, first, lambda: _zeros(c.tr_sh))
-    loss = _vary(jnp.zeros((), _loss_dtype(c)), _axes(c.h_zero))
-    return _CellOut(c.h_zero, d_h, c.h_zero, x.stash_in, d_tr, d_sh, loss, x.st, x.st_sh)
+    return lax.cond(x.is_first, first, lambda: _zeros(c.tr_sh))
+
+
+def _backward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
+    """Backward of one microbatch from its stash: the cotangent of the stage input (sent
+    to the previous virtual stage) and, unless the table has W actions, the gradient of
+    the chunk's params. With a split backward the weight half of the VJP is dead code in
+    this branch (XLA removes it); `_weight_cell` computes it later."""
+    res, _ = x.stash_in
+    d_tr, d_h = _rebuild_vjp(c.layout, res, x.param_res)(x.ct_in)
+    if c.split:
+        d_tr = _zeros(x.tr)
+    d_sh = _first_pullback(c, x, d_h)
+    z = c.h_zero
+    return _CellOut(z, d_h, z, x.stash_in, d_tr, d_sh, _no_loss(c), x.st, x.st_sh)
+
+
+def _weight_cell(c: _Ctx, x: _CellIn) -> _CellOut:
+    """The weight half of a split backward: the chunk's gradient from the stash and the
+    cotangent its B kept (the input-cotangent half is dead code here)."""
+    res, _ = x.stash_in
+    d_tr, _ = _rebuild_vjp(c.layout, res, x.param_res)(x.ct_kept)
+    z = c.h_zero
+    return _CellOut(z, z, z, x.stash_in, d_tr, _zeros(c.tr_sh), _no_loss(c), x.st, x.st_sh)
 
 
 def _idle_cell(c: _Ctx, x: _CellIn) -> _CellOut:
-    loss = _vary(jnp.zeros((), _loss_dtype(c)), _axes(c.h_zero))
     z = c.h_zero
-    return _CellOut(z, z, z, x.stash_in, _zeros(c.tr), _zeros(c.tr_sh), loss, x.st, x.st_sh)
+    return _CellOut(z, z, z, x.stash_in, _zeros(x.tr), _zeros(c.tr_sh), _no_loss(c), x.st, x.st_sh)
+
+
+_CELLS = {IDLE: _idle_cell, FORWARD: _forward_cell, BACKWARD: _backward_cell, WEIGHT: _weight_cell}
 
 
 def _slot(c: _Ctx, xs: Any, ys: Any, carry: tuple[_Buffers, _Acc], t: jax.Array):
-    """One time slot on one device: run the cell's lanes in turn (each reads its
-    microbatch's buffer entries, runs a forward, a backward or nothing, writes back),
-    then send what they produced (one ``ppermute`` per direction and lane) and file what
-    arrived."""
+    """One time slot on one device: run the cell's lanes in turn (each reads its buffer
+    entries, runs a forward, a backward, a weight gradient or nothing, writes back), then
+    send what they produced (one ``ppermute`` per direction and lane, carrying the
+    receiver's entry) and file what arrived."""
     bufs, acc = carry
-    n_f, n_b = c.sizes["fwd_inbox"], c.sizes["bwd_inbox"]
+    row = c.program[t, c.stage]  # (lanes, 9)
     sends = []
     for lane, present in enumerate(c.lane_kinds):
-        kind, mb = c.kinds[t, c.stage, lane], c.mbs[t, c.stage, lane]
-        bufs, acc, out = _lane(c, xs, ys, bufs, acc, kind, mb, present)
-        sends.append((kind, mb, out))
+        bufs, acc, out, first, last = _lane(c, xs, ys, bufs, acc, row[lane], present)
+        sends.append((row[lane], out, first, last))
     # A lane that never runs a forward (a backward) anywhere in the table sends no
     # activation (cotangent): its ppermute is left out.
-    for (kind, mb, out), present in zip(sends, c.lane_kinds, strict=True):
-        is_f, is_b = kind == FORWARD, kind == BACKWARD
-        if FORWARD in present:  # the activation forward (not from the last stage)
-            ok_f = is_f & ~c.is_last
-            hf, ok_f, mb_f = lax.ppermute((out.h_send, ok_f, mb), c.stage_axis, c.perms[0])
-            bufs = bufs._replace(inbox_f=_put(bufs.inbox_f, mb_f % n_f, hf, ok_f))
-        if BACKWARD in present:  # the cotangent backward (not from stage 0)
-            ok_b = is_b & ~c.is_first
-            hb, ok_b, mb_b = lax.ppermute((out.ct_send, ok_b, mb), c.stage_axis, c.perms[1])
-        else:
-            hb, ok_b, mb_b = out.ct_own, jnp.zeros_like(is_b), mb
-        # The last stage's backward inbox holds its own output cotangents.
-        hb = jax.tree.map(lambda own, got: jnp.where(c.is_last, own, got), out.ct_own, hb)
-        ok_b = jnp.where(c.is_last, is_f, ok_b)
-        mb_b = jnp.where(c.is_last, mb, mb_b)
-        bufs = bufs._replace(inbox_b=_put(bufs.inbox_b, mb_b % n_b, hb, ok_b))
+    for (a, out, first, last), present in zip(sends, c.lane_kinds, strict=True):
+        kind = a[_KIND]
+        if FORWARD in present:
+            ok = (kind == FORWARD) & ~last  # the activation, to the next virtual stage
+            h, ok, e = lax.ppermute((out.h_send, ok, a[_SEND_F]), c.stage_axis, c.perms[0])
+            bufs = bufs._replace(inbox_f=_put(bufs.inbox_f, e, h, ok))
+            # the last virtual stage files the cotangent of its own output
+            own = (kind == FORWARD) & last
+            bufs = bufs._replace(inbox_b=_put(bufs.inbox_b, a[_SEND_B], out.ct_own, own))
+        if BACKWARD in present:
+            ok = (kind == BACKWARD) & ~first  # the cotangent, to the previous one
+            h, ok, e = lax.ppermute((out.ct_send, ok, a[_SEND_B]), c.stage_axis, c.perms[1])
+            bufs = bufs._replace(inbox_b=_put(bufs.inbox_b, e, h, ok))
     return (bufs, acc), None
 
 
-def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, kind, mb, present):
-    """One action of a slot: read the microbatch's entries, run the cell (a switch over
-    the kinds this lane runs somewhere in the table, `present`), write its stash entry and
-    accumulate; returns what it sends."""
-    n_s, n_f, n_b = c.sizes["stash"], c.sizes["fwd_inbox"], c.sizes["bwd_inbox"]
+def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, a: jax.Array, present):
+    """One action of a slot (`a`: its row of the program): read its entries, run the
+    cell (a switch over the kinds this lane runs somewhere in the table, `present`),
+    write its stash (and kept-cotangent) entry and accumulate into its chunk; returns
+    what it sends and whether it is the first / last virtual stage."""
+    kind, chunk = a[_KIND], a[_CHUNK]
+    vs = chunk * c.num_stages + c.stage
+    first, last = vs == 0, vs == c.num_virtual - 1
     x = _CellIn(
-        _take(bufs.inbox_f, mb % n_f),
-        _take(bufs.inbox_b, mb % n_b),
-        _take(bufs.stash, mb % n_s),
-        _take(xs, mb),
-        _take(ys, mb),
-        acc.st,
+        _take(bufs.inbox_f, a[_IN_F]),
+        _take(bufs.inbox_b, a[_IN_B]),
+        _take(bufs.wgrad, a[_WGRAD]) if c.split else c.h_zero,
+        _take(bufs.stash, a[_STASH]),
+        _take(xs, a[_MB]),
+        _take(ys, a[_MB]),
+        _row(c, c.tr, chunk),
+        _row(c, c.param_res, chunk),
+        _row(c, acc.st, chunk),
         acc.st_sh,
+        first,
+        last,
     )
-    cells = {IDLE: _idle_cell, FORWARD: _forward_cell, BACKWARD: _backward_cell}
-    branch = np.zeros(3, np.int32)
+    branch = np.zeros(len(_CELLS), np.int32)
     branch[list(present)] = np.arange(len(present))
-    out = lax.switch(jnp.asarray(branch)[kind], [lambda x, f=cells[k]: f(c, x) for k in present], x)
-    bufs = bufs._replace(stash=_put(bufs.stash, mb % n_s, out.stash_out))
+    out = lax.switch(
+        jnp.asarray(branch)[kind], [lambda x, f=_CELLS[k]: f(c, x) for k in present], x
+    )
+    # (an unconditional write: the other cells return the entry they read, which costs
+    # less than a select between the old and the new entry)
+    bufs = bufs._replace(stash=_put(bufs.stash, a[_STASH], out.stash_out))
+    if c.split:  # B keeps the cotangent it received for its W
+        bufs = bufs._replace(wgrad=_put(bufs.wgrad, a[_WGRAD], x.ct_in, kind == BACKWARD))
     acc = _Acc(
-        jax.tree.map(jnp.add, acc.g, out.d_tr),
+        _add_row(c, acc.g, chunk, out.d_tr),
         jax.tree.map(jnp.add, acc.g_sh, out.d_sh),
         acc.loss + out.loss,
-        out.st,
+        _set_row(c, acc.st, chunk, out.st),
         out.st_sh,
     )
-    return bufs, acc, out
+    return bufs, acc, out, first, last
+
+
+# A device's chunks are the rows of its (v, ...) leaves: with one chunk (v == 1) the row
+# is static (no dynamic slice, no copy of the params into the switch's operands).
+def _row(c: _Ctx, tree: Any, chunk: jax.Array) -> Any:
+    if c.num_virtual == c.num_stages:
+        return jax.tree.map(lambda x: x[0], tree)
+    return _take(tree, chunk)
+
+
+def _set_row(c: _Ctx, tree: Any, chunk: jax.Array, values: Any) -> Any:
+    if c.num_virtual == c.num_stages:
+        return jax.tree.map(lambda x, v: v[None].astype(x.dtype), tree, values)
+    return _put(tree, chunk, values)
+
+
+def _add_row(c: _Ctx, tree: Any, chunk: jax.Array, values: Any) -> Any:
+    """``tree[chunk] += values`` for every leaf."""
+    if c.num_virtual == c.num_stages:
+        return jax.tree.map(lambda x, v: x + v[None], tree, values)
+    return _put(tree, chunk, jax.tree.map(jnp.add, _take(tree, chunk), values))
 
 
 def _axes(tree: Any) -> tuple[str, ...]:
@@ -490,15 +620,18 @@ class _Static(NamedTuple):
 
 
 def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
-    """One device: its stage's params ``(1, ...)``, the shared params, its data shard."""
+    """One device: its chunks' params (leaves ``(1, ...)``, or ``(v, 1, ...)`` with
+    virtual stages), the shared params, its data shard."""
     sched, fns, axis = cfg.schedule, cfg.fns, cfg.stage_axis
-    p, m = sched.num_stages, sched.num_microbatches
+    p, m, v = sched.num_stages, sched.num_microbatches, sched.virtual_stages
     axes = (axis,) if cfg.data_axis is None else (axis, cfg.data_axis)
     stage = lax.axis_index(axis)
     # Every device computes its own values: vary everything over the stage and data axes
     # (no collective inside a cell; gradients are reduced once at the end). The model
     # axis (TP layers inside the stage) keeps its types, so autodiff sums over it.
-    local = _vary(jax.tree.map(lambda v: v[0], stage_params), axes)
+    # Internally a device's stage leaves are (v, ...): row c is its chunk c.
+    rows = (lambda x: x) if v == 1 else (lambda x: x[:, 0])
+    local = _vary(jax.tree.map(rows, stage_params), axes)
     tr, st = local.split()
     # FSDP inside the stage: the leaves `stage_specs` shards over the data axis hold local
     # shards, marked for `fsdp_call` (gather before use, reduce-scatter the gradient).
@@ -507,38 +640,48 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
     xs = _split_batch(_vary(inputs, axes), m)
     ys = _split_batch(_vary(targets, axes), m)
     x0, y0 = _take(xs, jnp.int32(0)), _take(ys, jnp.int32(0))
+    tr0, st0 = _take(tr, jnp.int32(0)), _take(st, jnp.int32(0))
     h_aval = jax.eval_shape(lambda: _first(fns, tr_sh, st_sh, x0)[0])
     h_zero = _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h_aval), axes)
-    out_aval = jax.eval_shape(lambda: fns.stage(tr.merge(st), h_zero)[0])
+    out_aval = jax.eval_shape(lambda: fns.stage(tr0.merge(st0), h_zero)[0])
     _check_keeps_activation("pipeline_value_and_grad", h_aval, out_aval)
     loss_aval = jax.eval_shape(
         lambda: _last_loss(fns, tr_sh, st_sh, h_zero, y0, jnp.float32(1.0))[0]
     )
-    layout = _residual_layout(fns, tr, st, h_zero)
-    sizes = sched.buffer_sizes()
-    kinds_np, mbs_np = sched.as_arrays()
-    kinds, mbs = jnp.asarray(kinds_np), jnp.asarray(mbs_np)
+    layout = _residual_layout(fns, tr0, st0, h_zero)
+    # The residuals of each chunk's params alone, once per step (v of them).
+    per_chunk = [
+        _param_residuals(layout, fns, _take(tr, k), _take(st, k), h_zero) for k in range(v)
+    ]
+    param_res = [jnp.stack(leaves) for leaves in zip(*per_chunk, strict=True)]
+    prog = sched.program()
+    table = np.stack([np.asarray(getattr(prog, name), np.int32) for name in _COLUMNS], -1)
+    kinds_np = table[..., _KIND]
     lane_kinds = tuple(
         tuple(sorted({IDLE, *np.unique(kinds_np[..., lane]).tolist()}))
         for lane in range(kinds_np.shape[-1])
     )
+    split = bool((kinds_np == WEIGHT).any())
+    if v == 1:
+        perms = ([(s, s + 1) for s in range(p - 1)], [(s + 1, s) for s in range(p - 1)])
+    else:  # circular: device p - 1's chunk c feeds device 0's chunk c + 1
+        perms = ([(s, (s + 1) % p) for s in range(p)], [((s + 1) % p, s) for s in range(p)])
     c = _Ctx(
         fns=fns,
         layout=layout,
-        sizes=sizes,
-        kinds=kinds,
-        mbs=mbs,
+        program=jnp.asarray(table),
         lane_kinds=lane_kinds,
+        split=split,
+        num_stages=p,
+        num_virtual=v * p,
         stage=stage,
-        is_first=stage == 0,
-        is_last=stage == p - 1,
         scale=jnp.asarray(1.0 / m, loss_aval.dtype),
         tr=tr,
         tr_sh=tr_sh,
-        param_res=_param_residuals(layout, fns, tr, st, h_zero),
+        param_res=param_res,
         h_zero=h_zero,
         stage_axis=axis,
-        perms=([(s, s + 1) for s in range(p - 1)], [(s + 1, s) for s in range(p - 1)]),
+        perms=perms,
     )
 
     def ring(n, avals):
@@ -549,27 +692,29 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
             lambda v: _vary(jnp.zeros((n, *v.shape), v.dtype), tuple(varying_axes(v))), tree
         )
 
+    sizes = prog.sizes
     bufs = _Buffers(
         (ring(sizes["stash"], _stash_avals(layout)), ring_like(sizes["stash"], st_sh)),
-        ring_like(sizes["fwd_inbox"], h_zero),
-        ring_like(sizes["bwd_inbox"], h_zero),
+        ring_like(sizes["inbox_f"], h_zero),
+        ring_like(sizes["inbox_b"], h_zero),
+        ring_like(sizes["wgrad"], h_zero) if split else (),
     )
     acc = _Acc(_zeros(tr), _zeros(tr_sh), _vary(jnp.zeros((), loss_aval.dtype), axes), st, st_sh)
     (_, acc), _ = lax.scan(
-        lambda carry, t: _slot(c, xs, ys, carry, t), (bufs, acc), jnp.arange(sched.num_slots)
+        lambda carry, t: _slot(c, xs, ys, carry, t), (bufs, acc), jnp.arange(table.shape[0])
     )
-    return _reduce(cfg, c, acc, shared_params.split()[1])
+    return _reduce(cfg, acc, shared_params.split()[1], stage == 0, stage == p - 1, v)
 
 
-def _reduce(cfg: _Static, c: _Ctx, acc: _Acc, st_sh_old: Params):
+def _reduce(cfg: _Static, acc: _Acc, st_sh_old: Params, on_first, on_last, v: int):
     """Loss and gradients summed over the stages (the shared params') and averaged over
     the data axis (FSDP leaves, reduce-scattered already: divided by its size); the
-    shared state from stage 0 (``first_fn``) or p - 1 (``last_fn``)."""
+    shared state from device 0 (``first_fn``) or p - 1 (``last_fn``)."""
     axis, data = cfg.stage_axis, cfg.data_axis
 
     def settle(old, new):
-        v0 = lax.psum(jnp.where(c.is_first, new, jnp.zeros_like(new)), axis)
-        vl = lax.psum(jnp.where(c.is_last, new, jnp.zeros_like(new)), axis)
+        v0 = lax.psum(jnp.where(on_first, new, jnp.zeros_like(new)), axis)
+        vl = lax.psum(jnp.where(on_last, new, jnp.zeros_like(new)), axis)
         return jnp.where(v0 != old, v0, vl)
 
     st_sh = jax.tree.map(settle, st_sh_old, acc.st_sh)
@@ -596,7 +741,8 @@ def _reduce(cfg: _Static, c: _Ctx, acc: _Acc, st_sh_old: Params):
             else lax.pmax(v, data),
             (st, st_sh),
         )  # fmt: skip
-    lead = lambda t: jax.tree.map(lambda v: v[None], t)  # noqa: E731
+    # back to the input layout: (1, ...), or (v, 1, ...) with virtual stages
+    lead = lambda t: jax.tree.map(lambda x: x if v == 1 else x[:, None], t)  # noqa: E731
     return loss, (lead(g), g_sh), (lead(st), st_sh)
 
 
@@ -613,10 +759,12 @@ def pipeline_value_and_grad(
     remat: bool = False,
     remat_policy: Callable[..., bool] | None = None,
     stage_specs: Params | None = None,
+    virtual_stages: int | None = None,
 ) -> Callable[..., tuple[jax.Array, tuple[Params, Params], tuple[Params, Params]]]:
     """Builds ``step(stage_params, shared_params, inputs, targets)`` that runs a pipelined
-    forward and backward after a GPipe or 1F1B schedule (or your `Schedule` table) and
-    returns the mean loss, the gradients and the updated non-trainable state.
+    forward and backward after a GPipe, 1F1B, interleaved 1F1B or ZB-H1 schedule (or your
+    `Schedule` table) and returns the mean loss, the gradients and the updated
+    non-trainable state.
 
     The model is ``last_fn(first_fn(inputs) -> stage 0 -> ... -> stage p-1, targets)``:
 
@@ -655,8 +803,13 @@ def pipeline_value_and_grad(
         `stage_specs` names (e.g. ``'model'`` for tensor parallelism).
       schedule: ``'gpipe'``, ``'1f1b'``, ``'1f1b-2f'`` (1F1B whose slots hold one
         backward or two forwards: less idle time, since a backward costs about two
-        forwards, for up to ``2 (p - s)`` stashed microbatches on stage ``s``) or a
-        `Schedule` for ``p`` stages and ``m`` microbatches.
+        forwards, for up to ``2 (p - s)`` stashed microbatches on stage ``s``),
+        ``'interleaved'`` (with `virtual_stages` ``v >= 2``: each device runs ``v``
+        chunks, model stages ``s, p + s, ...``; bubble ``(p - 1) / (v m + p - 1)``, up to
+        ``1 + (p - 1) / (v p)`` times 1F1B's stash), ``'zb'`` / ``'zb-h1'`` (zero bubble:
+        the backward split into the input cotangent and the weight gradient, which fills
+        the idle slots; 1F1B's stash) or a `Schedule` for ``p`` stages and ``m``
+        microbatches.
       num_microbatches: ``m``; required unless `schedule` is a `Schedule`.
       first_fn: as above; ``None`` passes the inputs to stage 0 unchanged.
       stage_axis: the pipeline mesh axis.
@@ -673,11 +826,19 @@ def pipeline_value_and_grad(
         base=tp_specs)``) hand `stage_fn` local shards marked for `blox.parallel.fsdp_call`,
         which `stage_fn` must call per layer (gather before use, reduce-scatter of the
         gradient); those gradients are divided by ``D`` instead of averaged again.
+        With virtual stages the leaves are sharded ``P(None, stage_axis, *spec)``.
+      virtual_stages: ``v``, the stage chunks per device (``'interleaved'`` needs
+        ``v >= 2``); ``None``: 1, or the `Schedule`'s own. With ``v > 1`` the model has
+        ``v p`` stages and `stage_params` leaves are ``(v, p, ...)``
+        (``stack_stages(stages, virtual_stages=v)``); `first_fn` runs before model stage 0
+        (chunk 0 of device 0), `last_fn` after model stage ``v p - 1`` (chunk ``v - 1``
+        of device ``p - 1``).
 
     Returns:
       ``step(stage_params, shared_params, inputs, targets) -> (loss, (stage_grads,
       shared_grads), (stage_params, shared_params))``, to call under ``jax.jit``:
-      `stage_params` leaves ``(p, ...)``, `inputs` / `targets` pytrees of ``(B, ...)``;
+      `stage_params` leaves ``(p, ...)`` (``(v, p, ...)`` with virtual stages), `inputs` /
+      `targets` pytrees of ``(B, ...)``;
       ``loss`` a scalar; ``stage_grads`` / ``shared_grads`` the trainable parts of the
       params (``params.split()[0]`` structure) for ``optax``; the returned params are the
       inputs with their non-trainable state updated. Computation follows the dtypes of
@@ -685,8 +846,10 @@ def pipeline_value_and_grad(
 
     Raises:
       ValueError: `stage_axis` / `data_axis` not in the mesh; the schedule's stage count
-        is not the axis length; ``m < p`` under 1F1B; a stage-params leaf whose leading
-        dimension is not ``p``; a batch that ``m`` (times ``D``) does not divide; a stage
+        is not the axis length; ``m < p`` under 1F1B; ``'interleaved'`` without
+        `virtual_stages` ``>= 2``, or `virtual_stages` other than the `Schedule`'s; a
+        stage-params leaf whose leading dimension is not ``p`` (dimensions not ``(v,
+        p)``); a batch that ``m`` (times ``D``) does not divide; a stage
         that changes the activation's shape or dtype; `stage_specs` whose paths differ
         from the stage params', or that shard a non-trainable leaf over `data_axis`.
       TypeError: a function that does not return ``(outputs, params)``.
@@ -713,8 +876,10 @@ def pipeline_value_and_grad(
       (4, 8, 8)
     """
     where = "pipeline_value_and_grad"
-    sched, p, dp = _resolve_schedule(where, mesh, schedule, num_microbatches, stage_axis, data_axis)
-    m = sched.num_microbatches
+    sched, p, dp = _resolve_schedule(
+        where, mesh, schedule, num_microbatches, virtual_stages, stage_axis, data_axis
+    )
+    m, v = sched.num_microbatches, sched.virtual_stages
 
     def call_stage(params: Params, h: Any) -> tuple[Any, Params]:
         return _check_out(stage_fn(params, h), "stage_fn", "stage_fn", "h")
@@ -724,8 +889,10 @@ def pipeline_value_and_grad(
     cfg = _Static(_Fns(call_stage, first_fn, last_fn), sched, stage_axis, data_axis)
 
     def step(stage_params: Params, shared_params: Params, inputs: Any, targets: Any):
-        _check_step_args(where, stage_params, shared_params, inputs, targets, p, stage_axis, m, dp)
-        specs = _stage_partition_specs(where, stage_params, stage_specs, stage_axis)
+        _check_step_args(
+            where, stage_params, shared_params, inputs, targets, (p, v), stage_axis, m, dp
+        )
+        specs = _stage_partition_specs(where, stage_params, stage_specs, stage_axis, v)
         fsdp = _stage_fsdp_dims(where, stage_params, stage_specs, data_axis)
         rep = jax.tree.map(lambda _: PartitionSpec(), shared_params)
         batch = PartitionSpec(data_axis)
@@ -753,11 +920,13 @@ def pipeline_value_and_grad(
 
 
 def _stage_partition_specs(
-    where: str, stage_params: Params, stage_specs: Params | None, stage_axis: str
+    where: str, stage_params: Params, stage_specs: Params | None, stage_axis: str, v: int
 ) -> Params:
-    """Per stage-params leaf: ``P(stage_axis, *spec of one stage)``."""
+    """Per stage-params leaf: ``P(stage_axis, *spec of one stage)`` (``P(None,
+    stage_axis, ...)`` with ``v > 1`` virtual stages)."""
+    lead = (stage_axis,) if v == 1 else (None, stage_axis)
     if stage_specs is None:
-        return jax.tree.map(lambda _: PartitionSpec(stage_axis), stage_params)
+        return jax.tree.map(lambda _: PartitionSpec(*lead), stage_params)
     if not isinstance(stage_specs, Params):
         raise TypeError(
             f"{where}: stage_specs must be Params of PartitionSpec (e.g. "
@@ -772,7 +941,7 @@ def _stage_partition_specs(
         )
     by_name = {format_path(k): stage_specs[k].value for k in theirs}
     return jax.tree_util.tree_map_with_path(
-        lambda kp, _: PartitionSpec(stage_axis, *(by_name[kp[0].key] or ())), stage_params
+        lambda kp, _: PartitionSpec(*lead, *(by_name[kp[0].key] or ())), stage_params
     )
 
 
@@ -800,6 +969,7 @@ def _resolve_schedule(
     mesh: Mesh,
     schedule: str | Schedule,
     num_microbatches: int | None,
+    virtual_stages: int | None,
     stage_axis: str,
     data_axis: str | None,
 ) -> tuple[Schedule, int, int]:
@@ -812,6 +982,8 @@ def _resolve_schedule(
                 f"with that axis, or pass {label}= one of {names}."
             )
     p = int(mesh.shape[stage_axis])
+    if virtual_stages is not None:
+        _check_virtual(where, virtual_stages)
     if isinstance(schedule, Schedule):
         if schedule.num_stages != p:
             raise ValueError(
@@ -824,13 +996,19 @@ def _resolve_schedule(
                 f"{where}: num_microbatches={num_microbatches} but the schedule has "
                 f"{schedule.num_microbatches}; leave num_microbatches out."
             )
+        if virtual_stages is not None and virtual_stages != schedule.virtual_stages:
+            raise ValueError(
+                f"{where}: virtual_stages={virtual_stages} but the schedule "
+                f"{schedule.name!r} has virtual_stages={schedule.virtual_stages}; leave "
+                "virtual_stages out, or build the schedule with it."
+            )
         sched = schedule
     else:
         if num_microbatches is None:
             raise ValueError(
                 f"{where}: pass num_microbatches= with schedule={schedule!r} (or a Schedule)."
             )
-        sched = schedule_from(schedule, p, num_microbatches)
+        sched = schedule_from(schedule, p, num_microbatches, virtual_stages=virtual_stages)
     dp = int(mesh.shape[data_axis]) if data_axis is not None else 1
     return sched, p, dp
 
@@ -841,18 +1019,27 @@ def _check_step_args(
     shared_params: Any,
     inputs: Any,
     targets: Any,
-    p: int,
+    pv: tuple[int, int],
     stage_axis: str,
     m: int,
     dp: int,
 ) -> None:
-    """The checks `step` runs before tracing: Params types, the stage dimension, batch."""
+    """The checks `step` runs before tracing: Params types, the stage dimensions ``(p,)``
+    (``(v, p)`` with virtual stages), batch."""
     for label, tree in (("stage_params", stage_params), ("shared_params", shared_params)):
         if not isinstance(tree, Params):
             raise TypeError(f"{where}: {label} must be Params, got {type(tree).__name__}.")
+    p, v = pv
     for path in stage_params.keys():
         shape = jnp.shape(stage_params[path].value)
-        if not shape or shape[0] != p:
+        if v > 1 and tuple(shape[:2]) != (v, p):
+            raise ValueError(
+                f"{where}: stage parameter '{format_path(path)}' has shape {shape}, whose "
+                f"leading dimensions should be (virtual_stages, stages) = ({v}, {p}) for the "
+                f"{v} chunks per device of mesh axis {stage_axis!r}; stack the {v * p} "
+                f"stages with stack_stages(stages, virtual_stages={v})."
+            )
+        if v == 1 and (not shape or shape[0] != p):
             raise ValueError(
                 f"{where}: stage parameter '{format_path(path)}' has shape {shape}, whose "
                 f"leading (stage) dimension should be the {p} devices of mesh axis "
