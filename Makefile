@@ -27,7 +27,7 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.test
 	$(BIN)/ruff check blox tests examples benchmarks
-	$(DEVICES) $(BIN)/python -m pytest -q -p no:cacheprovider -n 2
+	$(DEVICES) $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --durations=30
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check blox tests examples benchmarks

@@ -511,8 +511,12 @@ class CheckpointManager:
     def _check_writes(self) -> None:
         """Waits for the previous asynchronous write (Orbax's save would wait for it too)
         and raises its error (e.g. disk full), explained, naming that step."""
-        if self._writing is None:
-            return
+        if self._writing is not None:
+            self._finish_writes()
+
+    def _finish_writes(self) -> None:
+        """Waits for Orbax's writes, raises a failed one's error explained (naming the
+        step being written), then writes that step's checksums."""
         try:
             self._mngr.wait_until_finished()
             self._mngr.check_for_errors()
@@ -527,13 +531,7 @@ class CheckpointManager:
         Raises:
           CheckpointError: an asynchronous write failed (e.g. disk full).
         """
-        try:
-            self._mngr.wait_until_finished()
-            self._mngr.check_for_errors()
-        except Exception as e:
-            self._checksums = None
-            raise self._write_failed(self._writing, e) from e
-        self._flush_checksums(block=True)
+        self._finish_writes()
 
     # -- restore -----------------------------------------------------------------------
 

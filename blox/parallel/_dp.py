@@ -52,6 +52,21 @@ _HOST_BATCH = (
 )
 
 
+def _check_data_axis(mesh: Any, axis: str, where: str) -> None:
+    """`mesh` is a ``Mesh`` holding the data axis `axis` (TypeError / ValueError naming
+    `where`); shared by the DP and FSDP entry points."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}. Build "
+            "one with blox.parallel.make_mesh."
+        )
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"{where}: data axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}. "
+            f"Pass axis=<one of {tuple(mesh.axis_names)}>."
+        )
+
+
 def _process_local(leaf: Any) -> str | None:
     """What makes a batch leaf one process's data rather than a global array (None if
     it is global): a host (NumPy) array, a jax.Array on this process's devices only, or,
@@ -459,15 +474,7 @@ def make_dp_train_step(
       ValueError: `axis` not in the mesh; a batch not divisible by data x microbatches;
         a batch leaf of one process's rows when the mesh spans several processes.
     """
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"make_dp_train_step: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}."
-        )
-    if axis not in mesh.axis_names:
-        raise ValueError(
-            f"make_dp_train_step: data axis {axis!r} is not an axis of the mesh "
-            f"{dict(mesh.shape)}. Pass axis=<one of {tuple(mesh.axis_names)}>."
-        )
+    _check_data_axis(mesh, axis, "make_dp_train_step")
     bspec = PartitionSpec(axis) if batch_spec is None else batch_spec
     grad_fn = dp_value_and_grad(
         loss_fn,

@@ -33,6 +33,7 @@ from blox.core._params import Path, _freeze, _make_info, _Structure, _thaw, form
 from blox.parallel._collectives import check_axis
 from blox.parallel._dp import (
     _aux_finish,
+    _check_data_axis,
     _settle_state,
     _to_varying,
     accumulate_microbatches,
@@ -137,16 +138,7 @@ def fsdp_specs(
     """
     if not isinstance(params, Params):
         raise TypeError(f"fsdp_specs: params must be bx.Params, got {type(params).__name__}.")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"fsdp_specs: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}. Build "
-            "one with blox.parallel.make_mesh."
-        )
-    if axis not in mesh.axis_names:
-        raise ValueError(
-            f"fsdp_specs: data axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}. "
-            f"Pass axis=<one of {tuple(mesh.axis_names)}>."
-        )
+    _check_data_axis(mesh, axis, "fsdp_specs")
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"fsdp_specs: min_size must be an int >= 0, got {min_size!r}.")
     sizes = dict(mesh.shape)
@@ -716,13 +708,7 @@ def make_fsdp_train_step(
         `make_dp_train_step`: assemble it with `blox.distributed.global_batch`).
     """
     where = "make_fsdp_train_step"
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    if axis not in mesh.axis_names:
-        raise ValueError(
-            f"{where}: data axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}. "
-            f"Pass axis=<one of {tuple(mesh.axis_names)}>."
-        )
+    _check_data_axis(mesh, axis, where)
     bspec = PartitionSpec(axis) if batch_spec is None else batch_spec
     grad_fn = fsdp_value_and_grad(
         loss_fn,

@@ -13,7 +13,6 @@ test short on 2 idle cores."""
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import signal
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts import ROOT
+from tests.scripts import ROOT, clean_env
 
 pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
@@ -34,11 +33,10 @@ KILLS = 2
 
 
 def _env():
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = ""
-    env["PYTHONPATH"] = str(ROOT)
-    return env
+    # One device; the faster-compiling CPU emitters of tests/conftest.py.
+    return clean_env(
+        JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_use_fusion_emitters=false", PYTHONPATH=str(ROOT)
+    )
 
 
 def _digests(text: str) -> dict[int, str]:

@@ -18,8 +18,6 @@ the launcher) saves the state into DIR.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -100,14 +98,12 @@ def worker(directory: str) -> None:
 
 
 def _launch_save(directory: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOX_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "blox.launch", "-n", "2", "--devices-per-process", "4",
-         str(Path(__file__).relative_to(ROOT)), str(directory)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+    from tests.scripts import LAUNCH, run_ok  # the test process only (not the worker)
+
+    return run_ok(
+        *LAUNCH, "-n", "2", "--devices-per-process", "4",
+        str(Path(__file__).relative_to(ROOT)), str(directory), timeout=300,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
 
 
 def test_saved_by_two_processes_restored_in_one(tmp_path):

@@ -10,15 +10,12 @@ runs go side by side (subprocesses) to keep the wall time small.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.scripts import ROOT
+from tests.scripts import LAUNCH, finish, start
 
 pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
@@ -27,14 +24,7 @@ RUNS = {
     "dp": ("examples/dp_classifier.py", "--size", "tiny", "--steps", STEPS),
     "gpt": ("examples/gpt_tp.py", "--size", "tiny", "--steps", STEPS, "--mesh", "2x4"),
 }
-LAUNCH = ("-m", "blox.launch", "-n", "2", "--devices-per-process", "4")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOX_")}
-    env.pop("XLA_FLAGS", None)
-    env.update(extra)
-    return env
+TWO = ("-n", "2", "--devices-per-process", "4")
 
 
 def _lines(out: str, tag: str = "") -> list[str]:
@@ -46,28 +36,11 @@ def _losses(lines: list[str]) -> np.ndarray:
 
 
 def test_two_processes_print_the_lines_of_one_process_on_eight_devices():
-    single_env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    commands = {}
+    procs = {}
     for name, argv in RUNS.items():
-        commands[f"{name}/1x8"] = ([sys.executable, *argv], single_env)
-        commands[f"{name}/2x4"] = ([sys.executable, *LAUNCH, *argv], _env())
-    procs = {
-        key: subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
-        )
-        for key, (cmd, env) in commands.items()
-    }
-    outs = {}
-    try:
-        for key, proc in procs.items():
-            out, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0, (key, out[-3000:] + err[-3000:])
-            outs[key] = out
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        procs[f"{name}/1x8"] = start(*argv)
+        procs[f"{name}/2x4"] = start(*LAUNCH, *TWO, *argv)
+    outs = finish(procs)
 
     for name in RUNS:
         one, two = outs[f"{name}/1x8"], outs[f"{name}/2x4"]

@@ -13,34 +13,20 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
 from blox.distributed._launch import main as launch_main
-from tests.scripts import ROOT
+from tests.scripts import LAUNCH, clean_env, run, start, tail
 
 WORKER = "tests/distributed/_worker.py"
 EXAMPLE = "examples/multiprocess_dp.py"
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOX_")}
-    env.update(extra)
-    return env
-
-
 def _launch(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "blox.launch", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=_env(**env),
-    )
+    return run(*LAUNCH, *args, timeout=timeout, env=clean_env(**env))
 
 
 def _alive(pid: int) -> bool:
@@ -67,22 +53,15 @@ def _losses(lines: list[str]) -> np.ndarray:
 
 @pytest.mark.slow
 def test_two_processes_match_one_process_on_eight_devices(tmp_path):
-    one = subprocess.run(
-        [sys.executable, EXAMPLE, "--size", "tiny", "--save-params", str(tmp_path / "one.npz")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"),
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
+    one = run(EXAMPLE, "--size", "tiny", "--save-params", str(tmp_path / "one.npz"), timeout=120)
+    assert one.returncode == 0, tail(one.stdout, one.stderr)
     # Without the launcher initialize() is a no-op that describes the lone process.
     assert "process 0 of 1 (single process): 8 local cpu devices" in one.stdout
     two = _launch(
         "-n", "2", "--devices-per-process", "4",
         EXAMPLE, "--size", "tiny", "--save-params", str(tmp_path / "two.npz"),
     )  # fmt: skip
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert two.returncode == 0, tail(two.stdout, two.stderr)
     reference = [s for s in one.stdout.splitlines() if s.startswith("step=")]
     rank0, rank1 = _lines(two.stdout, 0), _lines(two.stdout, 1)
     assert len(reference) == 4 and len(rank0) == 4 and len(rank1) == 4, two.stdout
@@ -98,7 +77,7 @@ def test_two_processes_match_one_process_on_eight_devices(tmp_path):
 @pytest.mark.slow
 def test_shards_follow_the_mesh_across_processes():
     proc = _launch("-n", "2", "--devices-per-process", "2", WORKER, "shards", timeout=90)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail(proc.stdout, proc.stderr)
     for rank in (0, 1):
         (line,) = _lines(proc.stdout, rank, "shards=")
         got = json.loads(line[len("shards=") :])
@@ -110,14 +89,7 @@ def test_shards_follow_the_mesh_across_processes():
 
 
 def _start(*args: str, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "blox.launch", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=_env(**env),
-    )
+    return start(*LAUNCH, *args, env=clean_env(**env))
 
 
 def _read_pids(proc: subprocess.Popen, ranks: int, until: str) -> dict[int, int]:

@@ -16,7 +16,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -26,8 +25,8 @@ import blox.distributed._launch as launch_module
 from blox.distributed._launch import free_port, launch
 from blox.distributed._launch import main as launch_main
 from blox.distributed._rendezvous import inherited_listener, listen, roll_call
-from tests.distributed.test_launch import WORKER, _alive, _env, _finish, _read_pids, _start
-from tests.scripts import ROOT
+from tests.distributed.test_launch import WORKER, _alive, _finish, _read_pids, _start
+from tests.scripts import ROOT, clean_env, start
 
 # --- item 9: a process that never joins ----------------------------------------------
 
@@ -36,7 +35,7 @@ def _run(*args: str, **kwargs) -> tuple[int, str, str, float]:
     """`launch` in this process on the worker (which imports no JAX in these modes)."""
     out, err = io.StringIO(), io.StringIO()
     start = time.monotonic()
-    code = launch([WORKER, *args], stdout=out, stderr=err, env=_env(), **kwargs)
+    code = launch([WORKER, *args], stdout=out, stderr=err, env=clean_env(), **kwargs)
     return code, out.getvalue(), err.getvalue(), time.monotonic() - start
 
 
@@ -125,18 +124,16 @@ def test_an_uncaught_exception_runs_atexit_and_flushes_logs_then_exits(tmp_path)
     # Two processes started by hand (no launcher): process 1 raises after joining.
     port = free_port()
     procs = {
-        r: subprocess.Popen(
-            [sys.executable, WORKER, "atexit", "1", str(tmp_path)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(
+        r: start(
+            WORKER,
+            "atexit",
+            "1",
+            str(tmp_path),
+            env=clean_env(
                 BLOX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                 BLOX_NUM_PROCESSES="2",
                 BLOX_PROCESS_ID=str(r),
                 XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                JAX_PLATFORMS="cpu",
             ),
         )
         for r in (0, 1)

@@ -7,33 +7,21 @@ assembles trains as one process would over all rows (reference: plain
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.scripts import ROOT
+from tests.scripts import LAUNCH, run_ok
 
 WORKER = "tests/parallel/_dp_host_worker.py"
 
 
 @pytest.mark.slow
 def test_host_rows_are_refused_and_the_global_batch_trains_across_two_processes():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOX_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "blox.launch", "-n", "2", "--devices-per-process", "2", WORKER],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = run_ok(*LAUNCH, "-n", "2", "--devices-per-process", "2", WORKER, timeout=180)
     for rank in (0, 1):
         tag = f"[{rank}] result="
-        (line,) = [s[len(tag) :] for s in proc.stdout.splitlines() if s.startswith(tag)]
+        (line,) = [s[len(tag) :] for s in out.splitlines() if s.startswith(tag)]
         got = json.loads(line)
         hows = ("jit_numpy", "eager_numpy", "jit_local_array", "auto_jit_numpy", "fsdp_jit_numpy")
         for how in hows:

@@ -4,6 +4,8 @@ is ``0 / 0 = NaN``, and it must contribute nothing, to the loss *and* to the gra
 Reference: plain ``jax.value_and_grad`` on one device of the masked mean over the real
 rows only (the padding rows removed with NumPy, so no mask, no NaN, no DP code)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ F32 = tol(jnp.float32)
 ROWS, T, VOCAB, WIDTH = 16, 4, 5, 8
 
 
+@functools.cache  # one model, params and batch for every test of the module
 def _setup():
     """A tiny token model (embed, tanh, linear head), ``[B, T]`` tokens and a padding
     mask whose last 4 rows (one shard at dp 4, one microbatch at k 4) are all padding."""
@@ -59,8 +62,11 @@ def _masked_mean_loss(model):
     return loss_fn
 
 
-def _reference(model, params, x, mask):
-    """Mean cross-entropy over the real tokens only (NumPy picks them: no mask, no NaN)."""
+@functools.cache  # the same reference for every test of the module
+def _reference():
+    """Mean cross-entropy over the real tokens only (NumPy picks them: no mask, no NaN),
+    of `_setup`'s model, params and batch: its value and gradients."""
+    model, params, x, mask = _setup()
     rows = mask.any(axis=1)
     xr, mr = jnp.asarray(x[rows]), mask[rows]
 
@@ -94,7 +100,7 @@ def test_an_all_padding_shard_or_microbatch_gives_the_real_rows_gradients(dp, k)
                 for a in (x, mask.astype(np.float32))
             ),
         )
-        ref_loss, ref_grads = _reference(model, params, x, mask)
+        ref_loss, ref_grads = _reference()
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads)), grads
     np.testing.assert_allclose(float(loss), float(ref_loss), **F32)
     assert float(aux["weight"]) == float(mask.sum())
@@ -112,7 +118,7 @@ def test_dp_train_step_with_an_all_padding_shard_updates_as_the_real_rows(types)
     rep = jax.device_put(params, NamedSharding(mesh, P()))
     with jax.default_matmul_precision("highest"):
         new, _, metrics = step(rep, tx.init(t), jnp.asarray(x), jnp.asarray(mask, jnp.float32))
-        ref_loss, ref_grads = _reference(model, params, x, mask)
+        ref_loss, ref_grads = _reference()
     ref_new = optax.apply_updates(t, tx.update(ref_grads, tx.init(t), t)[0])
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), **F32)
     _close(new.split()[0], ref_new)
@@ -160,6 +166,6 @@ def test_fsdp_with_an_all_padding_shard_gives_the_real_rows_gradients(gather, gu
                 for a in (x, mask.astype(np.float32))
             ),
         )
-        ref_loss, ref_grads = _reference(model, params, x, mask)
+        ref_loss, ref_grads = _reference()
     np.testing.assert_allclose(float(loss), float(ref_loss), **F32)
     _close(grads, ref_grads)

@@ -3,7 +3,8 @@ across meshes (the examples' contract), the GPT example prints its sharding tabl
 run stopped and resumed from its checkpoint (``--ckpt-dir``, ``--save-every``) prints the
 lines of a run that never stopped: bit for bit on the same mesh (issue 14, test 2, the DP
 example), within 1e-5 when ``examples/gpt_tp.py`` resumes a TP = 2 checkpoint written on a
-4x2 mesh on 2x4 (TP = 4) or 8x1 (DP only) (issue 14, test 3).
+4x2 mesh on 2x4 (TP = 4) or 8x1 (DP only) (issue 14, test 3). (``gpt_tp.py --fsdp`` in one
+process is checked beside the launched run, in tests/parallel/test_fsdp_multiprocess.py.)
 
 References: the uninterrupted run of the same script on the mesh compared with; the
 1-device run for the DP example. The runs of one test that do not depend on each other
@@ -14,43 +15,21 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from blox import ckpt
-from tests.scripts import ROOT
+from tests.scripts import finish, run_benchmark_quick, start
 
 pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 STEP = re.compile(r"^step=(\d+) loss=(\S+)$", re.M)
 
 
-def _run_all(*commands: tuple[str, ...], timeout: float = 600) -> list[str]:
+def _run_all(*commands: tuple[str, ...]) -> list[str]:
     """Runs each ``(script, *args)`` in its own process, side by side; their stdouts."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(ROOT / script), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        for script, *args in commands
-    ]
-    outs = []
-    for cmd, proc in zip(commands, procs, strict=True):
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        assert proc.returncode == 0, (cmd, out[-3000:] + err[-3000:])
-        outs.append(out)
-    return outs
+    return list(finish({(i, *cmd): start(*cmd) for i, cmd in enumerate(commands)}).values())
 
 
 def _lines(out: str, first: int = 1) -> list[str]:
@@ -154,20 +133,7 @@ def test_gpt_tp_resumes_on_another_mesh(tmp_path):
     np.testing.assert_allclose(_losses(_lines(on_8x1, 3)), _losses(ref_8x1[2:]), rtol=1e-5)
 
 
-def test_gpt_tp_fsdp_equals_one_device():
-    """Issue 25: ``--fsdp`` on a data 2 x model 4 mesh (FSDP x TP) prints the losses of the
-    one-device run, with the parameters sharded over both axes."""
-    tiny = ("--size", "tiny", "--steps", "3")
-    one, fsdp = _run_all((GPT, *tiny, "--mesh", "1x1"), (GPT, *tiny, "--mesh", "2x4", "--fsdp"))
-    np.testing.assert_allclose(_losses(_lines(fsdp)), _losses(_lines(one)), rtol=1e-5)
-    assert len(_lines(one)) == 3
-    sizes = [int(re.search(r"^param_bytes_per_device=(\d+)$", out, re.M)[1]) for out in (one, fsdp)]
-    assert sizes[1] < sizes[0] / 4, sizes  # 8 devices; small leaves stay replicated
-
-
 def test_parallel_speed_quick_writes_its_section(tmp_path):
-    from tests.scripts import run_benchmark_quick
-
     text = run_benchmark_quick("parallel_speed.py", "parallel_speed", tmp_path / "b.md")
     for needle in ["(a) DP train step, 8 devices", "(b) TP block fwd+bwd", "ratio of minima",
                    "max |weight diff| after one Adam step"]:  # fmt: skip

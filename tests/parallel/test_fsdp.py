@@ -4,6 +4,7 @@ one-device run (plain ``jax.value_and_grad`` + Optax on the whole batch) and pla
 program's memory analysis and collectives; checkpoints restored onto other layouts; the
 errors."""
 
+import functools
 import re
 
 import jax
@@ -41,6 +42,7 @@ class MLP(bx.Module):
         return x, params
 
 
+@functools.cache  # one `init` per model: `_initial` computes its values once
 def _setup(width=32, layers=3, prefetch=False):
     g = bx.Graph("net")
     rng = bx.Rng(g / "rng")
@@ -75,6 +77,43 @@ def _state(init, tx, specs, mesh):
     opt_sh = bp.opt_state_shardings(jax.eval_shape(tx.init, t), specs, mesh)
     assert abstract.keys() == params.keys()
     return params, jax.jit(tx.init, out_shardings=opt_sh)(t)
+
+
+@functools.cache
+def _initial(init) -> bx.Params:
+    """``init()``'s params as NumPy arrays, computed once (one compilation) per model."""
+    return jax.tree.map(np.asarray, jax.jit(init)())
+
+
+def _placed_state(init, tx, specs=None, mesh=None):
+    """``init()``'s params placed with `specs` on `mesh` (None: on the default device)
+    and the optimizer state created there: every run of a test starts from the same
+    values (`_initial`), without compiling the initializer again."""
+    if mesh is None:
+        params = jax.device_put(_initial(init))
+        return params, jax.jit(tx.init)(params.split()[0])
+    params = jax.tree.map(jax.device_put, _initial(init), _shardings(specs, mesh))
+    t = params.split()[0]
+    opt_sh = bp.opt_state_shardings(jax.eval_shape(tx.init, t), specs, mesh)
+    return params, jax.jit(tx.init, out_shardings=opt_sh)(t)
+
+
+def _zeros_state(abstract, tx, specs=None, mesh=None):
+    """Zero params and optimizer state placed with `specs` on `mesh` (None: on the
+    default device) from the host, no initializer compiled: for a test that reads only
+    shardings and the compiled step's memory, or a checkpoint's restore target."""
+    t = jax.eval_shape(lambda p: p.split()[0], abstract)
+    opt = jax.eval_shape(tx.init, t)
+    if mesh is None:
+        return jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), (abstract, opt))
+
+    def put(tree, shardings):
+        return jax.tree.map(
+            lambda s, sh: jax.device_put(np.zeros(s.shape, s.dtype), sh), tree, shardings
+        )
+
+    params = put(abstract, _shardings(specs, mesh))
+    return params, put(opt, bp.opt_state_shardings(opt, specs, mesh))
 
 
 def _one_device_step(loss_fn, tx):
@@ -125,16 +164,15 @@ def test_five_adam_steps_equal_dp_and_one_device(microbatches, clip, gather, axi
                 grad_norm=True,
             )
         )  # fmt: skip
-        p, o = _state(init, tx, specs, mesh)
+        p, o = _placed_state(init, tx, specs, mesh)
         assert p[("net", "mlp", "fc_1", "kernel")].value.sharding.spec[0] == "data"
         l_fsdp, p_fsdp = _run(fsdp, p, o, xs, ys, steps)
 
         rep = jax.tree.map(lambda _: P(), abstract)
         dp = jax.jit(bp.make_dp_train_step(loss_fn, tx, mesh, microbatches=microbatches))
-        l_dp, p_dp = _run(dp, *_state(init, tx, rep, mesh), xs, ys, steps)
+        l_dp, p_dp = _run(dp, *_placed_state(init, tx, rep, mesh), xs, ys, steps)
 
-        p1 = init()
-        l_one, p_one = _run(_one_device_step(loss_fn, tx), p1, tx.init(p1.split()[0]), xs, ys,
+        l_one, p_one = _run(_one_device_step(loss_fn, tx), *_placed_state(init, tx), xs, ys,
                             steps)  # fmt: skip
     np.testing.assert_allclose(l_fsdp, l_one, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(l_dp, l_one, rtol=1e-5, atol=1e-6)
@@ -153,8 +191,8 @@ def test_grad_norm_metric_equals_the_unsharded_global_norm():
     specs = bp.fsdp_specs(jax.eval_shape(init), mesh, min_size=64)
     with jax.default_matmul_precision("highest"):
         step = jax.jit(bp.make_fsdp_train_step(loss_fn, tx, mesh, specs, grad_norm=True))
-        _, _, m = step(*_state(init, tx, specs, mesh), xs[0], ys[0])
-        p = init()
+        _, _, m = step(*_placed_state(init, tx, specs, mesh), xs[0], ys[0])
+        p = _initial(init)
         t, nt = p.split()
         g = jax.grad(lambda t: loss_fn(t.merge(nt), xs[0], ys[0])[0])(t)
         flat = np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(g)])
@@ -180,12 +218,12 @@ def test_memory_and_collectives_of_a_16_layer_step():
     mesh = bp.make_mesh((N,), ("data",))
     abstract = jax.eval_shape(init)
     specs = bp.fsdp_specs(abstract, mesh)  # default threshold: the biases stay replicated
-    params, opt = _state(init, tx, specs, mesh)
+    params, opt = _zeros_state(abstract, tx, specs, mesh)
 
     # 1. State bytes per device, read from the shardings: <= 1.1 / N of the replicated
     # run's, plus the small replicated leaves (each held whole, with its Adam moments).
     rep = jax.tree.map(lambda _: P(), abstract)
-    r_params, r_opt = _state(init, tx, rep, mesh)
+    r_params, r_opt = _zeros_state(abstract, tx, rep, mesh)
     replicated = bp.bytes_per_device((r_params, r_opt))
     assert replicated == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((r_params, r_opt)))
     small = 3 * _small_bytes(params.split()[0], specs.split()[0])
@@ -253,7 +291,7 @@ def test_checkpoint_on_fsdp8_restores_onto_dp8_fsdp4_and_one_device(tmp_path):
     specs8 = bp.fsdp_specs(abstract, mesh8, min_size=64)
     with jax.default_matmul_precision("highest"):
         step8 = jax.jit(bp.make_fsdp_train_step(loss_fn, tx, mesh8, specs8))
-        p, o = _state(init, tx, specs8, mesh8)
+        p, o = _placed_state(init, tx, specs8, mesh8)
         p, o = _run_state(step8, p, o, xs[:2], ys[:2])
         with ckpt.CheckpointManager(tmp_path / "c", async_save=False) as mngr:
             mngr.save(2, {"params": p, "opt_state": o}, force=True)
@@ -262,12 +300,12 @@ def test_checkpoint_on_fsdp8_restores_onto_dp8_fsdp4_and_one_device(tmp_path):
         rep = jax.tree.map(lambda _: P(), abstract)
         mesh4 = bp.make_mesh((4,), ("data",), devices=jax.devices()[:4])
         specs4 = bp.fsdp_specs(abstract, mesh4, min_size=64)
-        targets = {
-            "dp8": (_state(init, tx, rep, mesh8),
+        targets = {  # restore targets: their shardings count, their values do not
+            "dp8": (_zeros_state(abstract, tx, rep, mesh8),
                     jax.jit(bp.make_dp_train_step(loss_fn, tx, mesh8))),
-            "fsdp4": (_state(init, tx, specs4, mesh4),
+            "fsdp4": (_zeros_state(abstract, tx, specs4, mesh4),
                       jax.jit(bp.make_fsdp_train_step(loss_fn, tx, mesh4, specs4))),
-            "one": ((init(), tx.init(init().split()[0])), _one_device_step(loss_fn, tx)),
+            "one": (_zeros_state(abstract, tx), _one_device_step(loss_fn, tx)),
         }  # fmt: skip
         for name, ((tp, to), step) in targets.items():
             with ckpt.CheckpointManager(tmp_path / "c") as mngr:
@@ -312,10 +350,8 @@ def test_fsdp_x_tp_on_a_2x4_mesh_equals_one_device():
     assert specs[("net", "block", "mlp", "linear_1", "kernel")].value == P("model", "data")
     with jax.default_matmul_precision("highest"):
         step = jax.jit(bp.make_fsdp_train_step(loss_fn, tx, mesh, specs))
-        losses, p = _run(step, *_state(init, tx, specs, mesh), xs, ys, steps)
-        p1 = init()
-        ref, p_ref = _run(_one_device_step(loss_fn, tx), p1, tx.init(p1.split()[0]), xs, ys,
-                          steps)  # fmt: skip
+        losses, p = _run(step, *_placed_state(init, tx, specs, mesh), xs, ys, steps)
+        ref, p_ref = _run(_one_device_step(loss_fn, tx), *_placed_state(init, tx), xs, ys, steps)
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     # The attention key bias has a zero gradient in exact arithmetic (softmax ignores a
     # shift shared by all keys): Adam turns its rounding noise into steps of size lr.
@@ -337,6 +373,34 @@ def test_fsdp_specs_rules_and_defaults():
     got = {"/".join(k): v for k, v in specs.arrays().items()}
     assert got == {"a/kernel": P(None, "data"), "a/odd": P(), "a/stat": P(),
                    "b/embedding": P(None, "data")}  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", ["fsdp_specs", "make_fsdp_train_step", "make_dp_train_step"])
+def test_the_mesh_and_data_axis_checks_name_their_entry_point(entry):
+    """DP and FSDP share one check of the mesh and its data axis: the same messages,
+    each naming the function called."""
+    mesh = bp.make_mesh((N,), ("data",))
+    params = bx.Params()
+    params[("a", "kernel")] = bx.Param(jnp.zeros((16, 64)))
+    specs = bp.fsdp_specs(params, mesh)
+    loss_fn, tx = (lambda p, x: (jnp.sum(x), p)), optax.sgd(0.1)
+    call = {
+        "fsdp_specs": lambda m, a: bp.fsdp_specs(params, m, axis=a),
+        "make_fsdp_train_step": lambda m, a: bp.make_fsdp_train_step(loss_fn, tx, m, specs, axis=a),
+        "make_dp_train_step": lambda m, a: bp.make_dp_train_step(loss_fn, tx, m, axis=a),
+    }[entry]
+    with pytest.raises(
+        TypeError,
+        match=rf"^{entry}: mesh must be a jax.sharding.Mesh, got tuple\. Build one with "
+        r"blox\.parallel\.make_mesh\.$",
+    ):
+        call((8,), "data")
+    with pytest.raises(
+        ValueError,
+        match=rf"^{entry}: data axis 'batch' is not an axis of the mesh \{{'data': 8\}}\. "
+        r"Pass axis=<one of \('data',\)>\.$",
+    ):
+        call(mesh, "batch")
 
 
 def test_errors():

@@ -1,10 +1,11 @@
 """Issue 25, FSDP under ``python -m blox.launch``: ``examples/gpt_tp.py --mesh 2x4 --fsdp``
 in 2 processes x 4 devices (the data axis across the processes, the model axis inside
-each) prints the ``step=<n> loss=<repr>`` lines of the one-device run (``--mesh 1x1``) to
-1e-5 relative, the same on both ranks; its ``param_bytes_per_device=`` is the TP layout's
-bytes with every leaf of at least 1024 elements (`fsdp_specs`'s default ``min_size``)
-halved over the data axis of size 2; and the checkpoint it writes from two processes
-resumes in one process on one device with the lines of the run that never stopped.
+each), and in one process on 8 devices, prints the ``step=<n> loss=<repr>`` lines of the
+one-device run (``--mesh 1x1``) to 1e-5 relative, the same on both ranks; its
+``param_bytes_per_device=`` is the TP layout's bytes with every leaf of at least 1024
+elements (`fsdp_specs`'s default ``min_size``) halved over the data axis of size 2; and
+the checkpoint it writes from two processes resumes in one process on one device with the
+lines of the run that never stopped.
 
 References: the single-process ``--mesh 1x1`` run (losses, bytes of the whole model), and
 the shapes and TP shard shapes of the sharding table the launched run prints (expected
@@ -17,56 +18,21 @@ from __future__ import annotations
 
 import ast
 import math
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.scripts import ROOT
+from tests.scripts import LAUNCH, finish, start
 
 pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 SCRIPT = ("examples/gpt_tp.py", "--size", "tiny")  # 5 steps, float32 parameters
-LAUNCH = ("-m", "blox.launch", "-n", "2", "--devices-per-process", "4")
+TWO = ("-n", "2", "--devices-per-process", "4")
 SAVED = 3  # the launched run trains (and checkpoints) steps 1..3; the resumed one 4..5
 TOTAL = 5
 MIN_SIZE = 1024  # fsdp_specs's default: smaller leaves stay replicated over `data`
 TABLE_ROW = re.compile(r"(gpt/\S+)\s+(\([\d, ]*\))\s+(P\(.*?\))\s+(\([\d, ]*\))\s+rule")
-
-
-def _env() -> dict[str, str]:
-    # The launcher replaces the device count of XLA_FLAGS per process (4); the
-    # single-process runs keep the 8 of tests/conftest.py.
-    return {k: v for k, v in os.environ.items() if not k.startswith("BLOX_")}
-
-
-def _start(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=_env(),
-    )
-
-
-def _finish(procs: dict[str, subprocess.Popen]) -> dict[str, str]:
-    outs = {}
-    try:
-        for key, proc in procs.items():
-            out, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0, (key, out[-3000:] + err[-3000:])
-            outs[key] = out
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return outs
 
 
 def _losses(out: str, tag: str = "") -> dict[int, float]:
@@ -99,9 +65,10 @@ def test_launched_fsdp_run_matches_one_device_and_its_checkpoint_resumes_in_one_
 ):
     ckpt_dir = str(tmp_path / "ckpt")
     procs = {
-        "1x1": _start(*SCRIPT, "--mesh", "1x1", "--steps", str(TOTAL)),
-        "fsdp": _start(
+        "1x1": start(*SCRIPT, "--mesh", "1x1", "--steps", str(TOTAL)),
+        "fsdp": start(
             *LAUNCH,
+            *TWO,
             *SCRIPT,
             "--mesh",
             "2x4",
@@ -113,9 +80,11 @@ def test_launched_fsdp_run_matches_one_device_and_its_checkpoint_resumes_in_one_
             "--save-every",
             str(SAVED),
         ),
+        # FSDP x TP in one process on 8 devices (issue 25): the same losses and layout.
+        "fsdp_one_process": start(*SCRIPT, "--mesh", "2x4", "--fsdp", "--steps", str(SAVED)),
     }
-    outs = _finish(procs)
-    one, two = outs["1x1"], outs["fsdp"]
+    outs = finish(procs)
+    one, two, single = outs["1x1"], outs["fsdp"], outs["fsdp_one_process"]
     assert "over 1 cpu device (cpu), 1 process" in one, one[-3000:]
     assert "[0] Mesh(data=2, model=4; Explicit) over 8 cpu devices (cpu), 2 processes" in two
 
@@ -129,14 +98,22 @@ def test_launched_fsdp_run_matches_one_device_and_its_checkpoint_resumes_in_one_
         [rank0[i] for i in steps], [reference[i] for i in steps], rtol=1e-5, atol=0
     )
 
+    single_losses = _losses(single)
+    assert sorted(single_losses) == steps, single[-3000:]
+    np.testing.assert_allclose(
+        [single_losses[i] for i in steps], [reference[i] for i in steps], rtol=1e-5, atol=0
+    )
+
     whole, expected = _expected_fsdp_bytes(two, "[0] ")
     assert _param_bytes(one) == whole
     assert _param_bytes(two, "[0] ") == _param_bytes(two, "[1] ") == expected
+    assert _expected_fsdp_bytes(single, "") == (whole, expected)
+    assert _param_bytes(single) == expected
     assert expected < 0.25 * whole  # the 8 devices hold about 1/8 each (the embedding 1/2)
 
     # Saved by two processes, read by one on one device: steps SAVED + 1 .. TOTAL.
-    resumed = _finish(
-        {"resume": _start(*SCRIPT, "--mesh", "1x1", "--steps", str(TOTAL), "--ckpt-dir", ckpt_dir)}
+    resumed = finish(
+        {"resume": start(*SCRIPT, "--mesh", "1x1", "--steps", str(TOTAL), "--ckpt-dir", ckpt_dir)}
     )["resume"]
     assert f"resumed from step {SAVED} of {ckpt_dir}" in resumed, resumed[-3000:]
     after = _losses(resumed)
