@@ -1,10 +1,12 @@
 """System identification side by side with TSFast (issue 26): the same simulated data,
 model sizes, budget and CPU threads; each library with its own documented recipe.
 
-Run (the full budget takes hours on 2 cores)::
+Run (the full budget takes about 5 core-hours; finished runs are cached, so it can be
+stopped and restarted)::
 
-    .venv/bin/python benchmarks/sysid_vs_tsfast.py --out docs/benchmarks.md \
-        --sysid-doc docs/sysid.md
+    .venv/bin/python benchmarks/sysid_vs_tsfast.py --threads 1 --keep-going
+    .venv/bin/python benchmarks/sysid_vs_tsfast.py --threads 1 --render-only \
+        --out docs/benchmarks.md --sysid-doc docs/sysid.md
     .venv/bin/python benchmarks/sysid_vs_tsfast.py --epochs 1 --batches-per-epoch 20 \
         --seeds 1 --models lstm --systems wh          # a minute: does it all run?
     .venv/bin/python benchmarks/sysid_vs_tsfast.py --ablate --systems wh --models lstm
@@ -22,11 +24,19 @@ Models: LSTM 1x40 and GRU 2x40. Budget: TSFast's (``--epochs`` 10 x
   ``.venv-tsfast``), TSFast's documented recipe through its own API (see the driver):
   L1 loss on raw outputs, Adam at 3e-3 on ``fit_flat_cos``, no clipping, windows drawn
   with replacement, the final model.
-- blox: the recipe of docs/sysid.md at the same budget (`blox_recipe` below):
-  ``RNNModel(..., linear_skip=True, n_skip=50)``, ``pipeline(shuffle=True)`` batches,
-  ``clip_by_global_norm(1.0)`` and Adam at 3e-3 on ``flat_cosine_schedule(pct_start=0.75)``,
-  the loss in normalized units (MSE), input noise 0.02, `fit_sysid` by epochs with the
-  free-run validation at each epoch's end and the best validation's params.
+- blox: `fit_sysid` by epochs given no recipe argument (its defaults,
+  `blox.ts.SYSID_RECIPE`: optimizer, schedule, clipping, loss, input noise, free-run
+  validation at each epoch's end, the params it returns) on
+  ``RNNModel(..., linear_skip=True, n_skip=50)`` and ``pipeline(shuffle=True)`` batches
+  (`blox_recipe` below).
+
+Cache: each finished run is appended as one JSON line to ``--cache`` (default
+``runs/sysid_vs_tsfast/results.jsonl``), keyed by library, system, model, seed, epochs,
+batches per epoch, data size, threads and the hash of the recipe's settings
+(`run_key`); a rerun skips the cached runs, and the report is rendered from every cached
+run of the current recipes (each cell with its number of seeds). ``--render-only`` runs
+nothing. A changed default changes the hash of ``blox:base``, so it re-runs; a variant
+whose settings equal the new default's is the same run and is not repeated.
 
 Every run is a fresh process pinned to the same ``--threads`` CPUs
 (``os.sched_setaffinity``; ``torch.set_num_threads``; XLA sizes its pool from the
@@ -43,14 +53,19 @@ spinning: on the shared 2-core machine at load average 12, one LSTM 1x40 step (b
 step was hardly affected; ``--threads 1`` is the fallback when the machine is shared.
 
 ``--ablate`` runs blox's recipe with one change at a time (`VARIANTS`: L1 loss, no
-clipping, no linear skip, no input noise, torch-like initialization, windows drawn with
-replacement, the final instead of the best params) at the same budget and seeds, for
-the recipe decisions of issue 26. ``--no-tsfast`` runs the blox side only.
+clipping, both, the final params, torch-like initialization, windows drawn with
+replacement, no linear skip, no input noise, learning rates 3e-3 and 2e-2 around the
+default 1e-2, no flat part of the schedule) at the same budget and seeds, for the
+recipe decisions of issue
+26; ``--variants a,b`` runs the named ones in that order. Every blox run also records
+the test RMSE of its other params (the final ones for the best, and the reverse).
+``--no-tsfast`` runs the blox side only, ``--no-base`` leaves out blox's recipe.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -64,6 +79,8 @@ import _timing
 import h5py
 import numpy as np
 
+from blox.ts import SYSID_RECIPE
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SYSTEMS = {"wh": "wiener_hammerstein", "silverbox": "silverbox"}
@@ -71,32 +88,46 @@ SYSTEM_NAMES = {"wh": "Wiener-Hammerstein-like", "silverbox": "Silverbox-like"}
 MODELS = {"lstm": ("lstm", 1), "gru": ("gru", 2)}  # cell, layers; hidden 40
 MODEL_NAMES = {"lstm": "LSTM 1x40", "gru": "GRU 2x40"}
 HIDDEN, WINDOW, BATCH, N_SKIP, LR = 40, 200, 64, 50, 3e-3
-SYSID_HEADER = ["system", "model", "TSFast RMSE", "blox RMSE", "blox / TSFast", "step time",
-                "free run"]  # fmt: skip
 
-# blox's documented recipe (docs/sysid.md) and the single changes --ablate tries.
-RECIPE = dict(loss="mse", clip=1.0, linear_skip=True, noise=0.02, init="blox",
-              sampling="shuffle", select="best")  # fmt: skip
+# blox's documented recipe (docs/sysid.md) and the single changes --ablate tries, most
+# promising first (the order the ablation runs in).
+# The training settings are blox's defaults (`blox.ts.SYSID_RECIPE`, what `fit_sysid`
+# picks when given none); the model and data settings are the benchmark's.
+FIT_KEYS = ("loss", "clip", "noise", "select", "lr", "pct_start")
+RECIPE = dict(linear_skip=True, init="blox", sampling="shuffle",
+              **{k: SYSID_RECIPE[k] for k in FIT_KEYS})  # fmt: skip
 VARIANTS = {
     "base": {},
     "l1": {"loss": "mae"},
-    "no_clip": {"clip": None},
-    "no_skip": {"linear_skip": False},
-    "no_noise": {"noise": 0.0},
+    "no_clip": {"clip": 0.0},
+    "l1_no_clip": {"loss": "mae", "clip": 0.0},
+    "final": {"select": "final"},
     "torch_init": {"init": "torch"},
     "replacement": {"sampling": "replacement"},
-    "final": {"select": "final"},
+    "no_skip": {"linear_skip": False},
+    "no_noise": {"noise": 0.0},
+    "lr_3e-3": {"lr": 3e-3},
+    "lr_2e-2": {"lr": 2e-2},
+    "no_flat": {"pct_start": 0.0},
 }
 VARIANT_TEXT = {
     "base": "the documented recipe",
     "l1": "L1 loss (normalized units; for one output channel, raw L1 / std)",
     "no_clip": "no gradient clipping",
-    "no_skip": "no linear skip",
-    "no_noise": "no input noise",
+    "l1_no_clip": "L1 loss and no gradient clipping",
+    "final": "the final params instead of the best validation's",
     "torch_init": "PyTorch's default initialization (uniform, two bias vectors)",
     "replacement": "windows drawn with replacement (as torch's RandomSampler)",
-    "final": "the final params instead of the best validation's",
+    "no_skip": "no linear skip",
+    "no_noise": "no input noise",
+    "lr_3e-3": "Adam at 3e-3 (TSFast's; blox's default before issue 26's ablation)",
+    "lr_2e-2": "Adam at 2e-2",
+    "no_flat": "cosine decay from the first step (no flat part)",
 }
+# TSFast's side: its documented recipe (benchmarks/_tsfast_driver.py), keyed by these.
+TSFAST_RECIPE = dict(recipe="tsfast-0.5.0-documented", lr=LR, window=WINDOW, batch=BATCH,
+                     hidden=HIDDEN, n_skip=N_SKIP)  # fmt: skip
+CACHE_VERSION = 1
 
 
 # -- the blox side (a worker process) -------------------------------------------------
@@ -165,14 +196,14 @@ def blox_recipe(files: dict, model_key: str, seed: int, epochs: int, per_epoch: 
     params = params.locked()
     if cfg["init"] == "torch":
         params = _torch_like_init(params, seed)
-    steps = epochs * per_epoch
-    adam = optax.adam(bx.flat_cosine_schedule(LR, steps, pct_start=0.75))
-    tx = adam if cfg["clip"] is None else optax.chain(optax.clip_by_global_norm(cfg["clip"]), adam)
+    # blox's recipe is fit_sysid's defaults: only a variant's changes are passed.
+    changed = {k: cfg[k] for k in FIT_KEYS if cfg[k] != SYSID_RECIPE[k]}
     t0 = time.perf_counter()
-    fit = fit_sysid(model, params, tx, batches, epochs=epochs, batches_per_epoch=per_epoch,
-                    valid=valid, seed=seed, noise=cfg["noise"], loss=cfg["loss"])  # fmt: skip
+    fit = fit_sysid(model, params, batches, epochs=epochs, batches_per_epoch=per_epoch,
+                    valid=valid, seed=seed, **changed)  # fmt: skip
     fit_s = time.perf_counter() - t0
-    chosen = fit.params if cfg["select"] == "best" else fit.final_params
+    chosen = fit.params  # as `select` says
+    other = fit.best_params if cfg["select"] == "final" else fit.final_params
 
     # Free run of the whole test recording: a first call (compiles), then 3 timed.
     sim = make_simulator(model)
@@ -186,8 +217,15 @@ def blox_recipe(files: dict, model_key: str, seed: int, epochs: int, per_epoch: 
         jax.block_until_ready(sim(chosen, u))
         runs.append(time.perf_counter() - t0)
     np.save(pred_path, np.asarray(pred[0], np.float32))
+    # The other selection's simulation too (best <-> final): the ablation of the model
+    # choice comes with every run.
+    np.save(pred_path + ".other.npy", np.asarray(sim(other, u)[0], np.float32))
 
-    # The training step alone on one batch (as the loop runs it), waited for.
+    # The training step alone on one batch (as the loop runs it), waited for: the
+    # recipe's optimizer written out (the same transformations fit_sysid chains).
+    adam = optax.adam(bx.flat_cosine_schedule(cfg["lr"], epochs * per_epoch,
+                                              pct_start=cfg["pct_start"]))  # fmt: skip
+    tx = adam if not cfg["clip"] else optax.chain(optax.clip_by_global_norm(cfg["clip"]), adam)
     step = jax.jit(make_sysid_step(model, tx, noise=cfg["noise"], loss=cfg["loss"]))
     p, opt_state, key = fit.final_params, tx.init(fit.final_params.split()[0]), jax.random.key(0)
     batch = train.get_batch(np.random.default_rng(seed).integers(0, len(train), BATCH))
@@ -214,6 +252,7 @@ def blox_recipe(files: dict, model_key: str, seed: int, epochs: int, per_epoch: 
         "test_len": int(u.shape[1]),
         "best_step": fit.best_step,
         "best_score": fit.best_score,
+        "valid_history": [h["score"] for h in fit.history],
         "final_train_loss": float(np.mean(fit.losses[-per_epoch:])),
         "process_s": time.perf_counter() - t_start,
         "jax": jax.__version__,
@@ -291,18 +330,125 @@ def _datasets(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def _jobs(args: argparse.Namespace) -> list[tuple[str, str, str, int]]:
-    """(side, system, model, seed) in run order: the sides alternate."""
-    sides = ["blox"] if args.no_tsfast else ["tsfast", "blox"]
-    variants = list(VARIANTS) if args.ablate else ["base"]
+    """(side, system, model, seed) in run order: per system and model, TSFast and blox's
+    recipe alternate seed by seed, then each ablation variant (in `VARIANTS` order, or
+    ``--variants`` order) runs its seeds."""
     jobs = []
     for system in args.systems:
         for model in args.models:
             for seed in range(args.seeds):
-                for side in sides:
-                    for v in variants if side == "blox" else ["base"]:
-                        jobs.append((side if side == "tsfast" else f"blox:{v}", system, model,
-                                     seed))  # fmt: skip
+                if not args.no_tsfast:
+                    jobs.append(("tsfast", system, model, seed))
+                if not args.no_base:
+                    jobs.append(("blox:base", system, model, seed))
+            for v in args.variants:
+                jobs += [(f"blox:{v}", system, model, seed) for seed in range(args.seeds)]
     return jobs
+
+
+# -- the result cache (one JSON line per finished run) ---------------------------------
+
+
+def recipe_settings(side: str) -> dict:
+    """The settings a run of `side` (``'tsfast'`` or ``'blox:<variant>'``) trains with."""
+    if side == "tsfast":
+        return dict(TSFAST_RECIPE)
+    variant = side.split(":", 1)[1]
+    if variant not in VARIANTS:
+        raise ValueError(f"sysid_vs_tsfast: unknown variant {variant!r}; known: {list(VARIANTS)}")
+    return dict(RECIPE, **VARIANTS[variant])
+
+
+def recipe_hash(settings: dict) -> str:
+    """12 hex digits of the SHA-256 of `settings` as sorted JSON (``clip`` None or 0:
+    no clipping, hashed as 0.0)."""
+    if "clip" in settings and not settings["clip"]:  # None (older records) and 0: no clipping
+        settings = dict(settings, clip=0.0)
+    text = json.dumps(settings, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def run_key(side: str, system: str, model: str, seed: int, *, epochs: int,
+            batches_per_epoch: int, size: str, threads: int,
+            settings: dict | None = None) -> str:  # fmt: skip
+    """The cache key of one run: every field that changes its result, with the recipe as
+    the hash of its settings (`settings`, default ``recipe_settings(side)``), and the
+    side as its library only (``'tsfast'`` or ``'blox'``): a blox variant whose settings
+    equal another's (e.g. once a default changes) is the same run."""
+    settings = recipe_settings(side) if settings is None else settings
+    fields = dict(v=CACHE_VERSION, lib=side.split(":", 1)[0], system=system, model=model,
+                  seed=int(seed), epochs=int(epochs), batches_per_epoch=int(batches_per_epoch),
+                  size=size, threads=int(threads), recipe=recipe_hash(settings))  # fmt: skip
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+
+def _key_for(job: tuple, args: argparse.Namespace) -> str:
+    side, system, model, seed = job
+    return run_key(side, system, model, seed, epochs=args.epochs,
+                   batches_per_epoch=args.batches_per_epoch, size=args.size,
+                   threads=args.threads)  # fmt: skip
+
+
+def record_key(rec: dict) -> str | None:
+    """The key of a cached record, from the fields it holds (None: a record that lacks
+    them), so that the key follows `run_key`, not what an older version stored."""
+    try:
+        return run_key(rec["side"], rec["system"], rec["model"], rec["seed"],
+                       epochs=rec["epochs"], batches_per_epoch=rec["batches_per_epoch"],
+                       size=rec["size"], threads=rec["threads"],
+                       settings=rec["recipe_settings"])  # fmt: skip
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def pending_jobs(jobs: list[tuple], cache: dict[str, dict], args: argparse.Namespace) -> list:
+    """The `jobs` whose key (this budget, size, threads and recipe) is not in `cache`."""
+    return [job for job in jobs if _key_for(job, args) not in cache]
+
+
+def load_cache(path: str | None) -> dict[str, dict]:
+    """``{key: record}`` from the JSON-lines file at `path` (none yet: empty), each key
+    `record_key`'s. A line that does not parse (a run killed while writing) or lacks a
+    key's fields is left out; a later record of the same key wins."""
+    cache: dict[str, dict] = {}
+    if not path or not os.path.exists(path):
+        return cache
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            key = record_key(rec) if isinstance(rec, dict) else None
+            if key is not None:
+                cache[key] = rec
+    return cache
+
+
+def append_cache(path: str, record: dict) -> None:
+    """Appends `record` as one JSON line, flushed to disk."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def cached_results(cache: dict[str, dict], args: argparse.Namespace) -> list[dict]:
+    """The cached runs of this budget, size and threads, for the requested systems and
+    models, TSFast's recipe and each of `VARIANTS` as they are now (a record is listed
+    under every variant whose settings it trained with), every seed the cache holds (not
+    only ``--seeds``)."""
+    seeds = sorted({rec["seed"] for rec in cache.values()})
+    out = []
+    for system in args.systems:
+        for model in args.models:
+            for side in ["tsfast", *(f"blox:{v}" for v in VARIANTS)]:
+                for seed in seeds:
+                    rec = cache.get(_key_for((side, system, model, seed), args))
+                    if rec is not None:
+                        out.append(dict(rec, side=side))
+    return out
 
 
 def _command(job: tuple, data: dict, args: argparse.Namespace, pred: str) -> list[str]:
@@ -338,9 +484,16 @@ def render(results: list[dict], args: argparse.Namespace, env: dict, started, co
         groups.setdefault((r["system"], r["model"], r["side"]), []).append(r)
     tsfast_version = next((r["tsfast"] for r in results if r["side"] == "tsfast"), "not run")
     budget = (f"{args.epochs} epochs x {args.batches_per_epoch} batches of {BATCH} windows "
-              f"of {WINDOW} (stride 1), {args.seeds} seed(s) per side, system and model, "
-              f"data size '{args.size}'")  # fmt: skip
-    small = args.quick or args.epochs * args.batches_per_epoch < 3000 or args.seeds < 5
+              f"of {WINDOW} (stride 1), data size '{args.size}'")  # fmt: skip
+    main_groups = [g for (_, _, side), g in groups.items() if side in ("tsfast", "blox:base")]
+    fewest = min((len(g) for g in main_groups), default=0)
+    small = args.quick or args.epochs * args.batches_per_epoch < 3000 or fewest < 5
+    loads = [r["load"][0] for r in results if r.get("load")]
+    finished = sorted(r["finished"] for r in results if r.get("finished"))
+    when = f" Runs finished {finished[0]} .. {finished[-1]}." if finished else ""
+    load_text = (f" Load average (1 min) at each run's end: median {statistics.median(loads):.1f},"
+                 f" max {max(loads):.1f}." if loads else "")  # fmt: skip
+    run_s = sum(r.get("wall_s", 0.0) for r in results)
     lines = [
         "## System identification side by side with TSFast",
         "",
@@ -348,8 +501,9 @@ def render(results: list[dict], args: argparse.Namespace, env: dict, started, co
         f"- TSFast {tsfast_version} (torch, CPU) in `{os.path.relpath(args.tsfast_python)}`; "
         f"blox with jax {metadata.version('jax')}. Each run a fresh process pinned to the same "
         f"{args.threads} CPU(s); the sides alternate.",
-        f"- Budget: {budget}. Whole run {total_s:.0f} s."
-        + (" SMALL BUDGET: a check that the harness runs, not a result." if small else ""),
+        f"- Budget: {budget}; seeds 0, 1, ... as the table's seed counts say. The runs took "
+        f"{run_s:.0f} s of processes (this invocation {total_s:.0f} s).{when}{load_text}"
+        + (" SMALL BUDGET (or fewer than 5 seeds): not a result." if small else ""),
         "- RMSE: free run of the whole test recording after 50 warm-up samples, computed by "
         "this script from both sides' simulations; median [min, max] over seeds. Step: "
         "one training step on one batch, waited for (median); loop: steps/s of the whole "
@@ -357,11 +511,12 @@ def render(results: list[dict], args: argparse.Namespace, env: dict, started, co
         "first call (blox's first call compiles).",
         "",
     ]
-    header = ["system", "model", "TSFast RMSE", "blox RMSE", "blox / TSFast", "step ms TSFast",
+    header = ["system", "model", "seeds TSFast, blox", "TSFast RMSE", "blox RMSE",
+              "blox / TSFast", "step ms TSFast",
               "step ms blox", "ratio", "free run s TSFast", "free run s blox", "ratio",
               "loop steps/s TSFast", "loop steps/s blox", "process s TSFast",
               "process s blox"]  # fmt: skip
-    rows, seed_rows, sysid_rows = [], [], []
+    rows, seed_rows = [], []
     for system in args.systems:
         for model in args.models:
             b = groups.get((system, model, "blox:base"), [])
@@ -375,7 +530,8 @@ def render(results: list[dict], args: argparse.Namespace, env: dict, started, co
                 ratio = statistics.median(b_rmse) / statistics.median(t_rmse)
                 step_ratio = _med(b, "step_s") / _med(t, "step_s")
                 free_ratio = _med(b, "free_run_s") / _med(t, "free_run_s")
-                rows.append([*name, _spread(t_rmse), _spread(b_rmse), f"**{ratio:.3f}**",
+                rows.append([*name, f"{len(t)}, {len(b)}", _spread(t_rmse), _spread(b_rmse),
+                             f"**{ratio:.3f}**",
                              f"{1e3 * _med(t, 'step_s'):.1f}", f"{1e3 * _med(b, 'step_s'):.1f}",
                              f"{step_ratio:.2f}", f"{_med(t, 'free_run_s'):.3f}",
                              f"{_med(b, 'free_run_s'):.3f}", f"{free_ratio:.2f}",
@@ -383,25 +539,23 @@ def render(results: list[dict], args: argparse.Namespace, env: dict, started, co
                              f"{_med(b, 'loop_steps_per_s'):.1f}",
                              f"{sum(r['wall_s'] for r in t):.0f}",
                              f"{sum(r['wall_s'] for r in b):.0f}"])  # fmt: skip
-                sysid_rows.append([*name, _spread(t_rmse), _spread(b_rmse), f"{ratio:.3f}",
-                                   f"{step_ratio:.2f}", f"{free_ratio:.2f}"])  # fmt: skip
             else:
-                rows.append([*name, "not run", _spread(b_rmse), "", "",
+                rows.append([*name, f"0, {len(b)}", "not run", _spread(b_rmse), "", "",
                              f"{1e3 * _med(b, 'step_s'):.1f}", "", "",
                              f"{_med(b, 'free_run_s'):.3f}", "", "",
                              f"{_med(b, 'loop_steps_per_s'):.1f}", "",
                              f"{sum(r['wall_s'] for r in b):.0f}"])  # fmt: skip
             for side, group in (("TSFast", t), ("blox", b)):
                 if group:
-                    seeds = ", ".join(f"{r['rmse']:.3e}" for r in sorted(group,
+                    seeds = ", ".join(f"{r['seed']}: {r['rmse']:.3e}" for r in sorted(group,
                                       key=lambda r: r["seed"]))  # fmt: skip
                     seed_rows.append([*name, side, seeds])
     lines += [_timing.format_table(header, rows), ""]
     if seed_rows:
-        lines += ["Each seed's RMSE (seeds 0, 1, ...):", "",
+        lines += ["Each seed's RMSE (seed: RMSE):", "",
                   _timing.format_table(["system", "model", "side", "RMSE per seed"], seed_rows),
                   ""]  # fmt: skip
-    if args.ablate:
+    if any(side != "tsfast" for (_, _, side) in groups):
         lines += ["### Ablation of blox's recipe (one change at a time)", ""]
         abl = []
         for system in args.systems:
@@ -410,23 +564,33 @@ def render(results: list[dict], args: argparse.Namespace, env: dict, started, co
                 if not base:
                     continue
                 ref = statistics.median(r["rmse"] for r in base)
+                name = [SYSTEM_NAMES[system], MODEL_NAMES[model]]
                 for v in VARIANTS:
                     g = groups.get((system, model, f"blox:{v}"), [])
                     if g:
                         med = statistics.median(r["rmse"] for r in g)
-                        rmse = _spread([r["rmse"] for r in g])
-                        name = [SYSTEM_NAMES[system], MODEL_NAMES[model]]
-                        abl.append([*name, v, VARIANT_TEXT[v], rmse, f"{med / ref:.3f}"])
-        header_abl = ["system", "model", "variant", "change", "RMSE", "/ base"]
+                        best_step = statistics.median(r.get("best_step", 0) for r in g)
+                        abl.append([*name, v, VARIANT_TEXT[v], len(g),
+                                    _spread([r["rmse"] for r in g]), f"{med / ref:.3f}",
+                                    f"{best_step:.0f}"])  # fmt: skip
+                    other = [r["rmse_other"] for r in g if r.get("rmse_other") is not None]
+                    if v == "base" and other:  # the same runs' final params
+                        abl.append([*name, "base, final params", "the final params of the "
+                                    "base runs (the same runs)", len(other), _spread(other),
+                                    f"{statistics.median(other) / ref:.3f}", ""])  # fmt: skip
+        header_abl = ["system", "model", "variant", "change", "seeds", "RMSE", "/ base",
+                      "best step (median)"]  # fmt: skip
         lines += [_timing.format_table(header_abl, abl), ""]
+    # docs/sysid.md gets the same body (machine, load, budget, seeds, tables) under its
+    # own heading.
     sysid = [
-        f"Measured by `benchmarks/sysid_vs_tsfast.py` ({started:%Y-%m-%d}; {budget}; "
+        f"Measured by `benchmarks/sysid_vs_tsfast.py` (rendered {started:%Y-%m-%d}; "
         f"{args.threads} CPU thread(s) each; TSFast {tsfast_version})."
-        + (" SMALL BUDGET: not a result." if small else ""),
-        "Free-run test RMSE, median [min, max] over seeds; step and free-run times as "
-        "blox / TSFast (below 1: blox faster). Details in docs/benchmarks.md.",
+        + (" SMALL BUDGET (or fewer than 5 seeds): not a result yet." if small else ""),
+        "Free-run test RMSE, median [min, max] over seeds; step and free-run times: "
+        "blox / TSFast below 1 means blox is faster.",
         "",
-        _timing.format_table(SYSID_HEADER, sysid_rows) if sysid_rows else "(TSFast was not run.)",
+        *lines[2:],
     ]
     return "\n".join(lines), "\n".join(sysid)
 
@@ -450,6 +614,26 @@ def main(argv: list[str] | None = None) -> None:
                         default=os.path.join(ROOT, ".venv-tsfast", "bin", "python"))  # fmt: skip
     parser.add_argument("--no-tsfast", action="store_true", help="run the blox side only")
     parser.add_argument("--ablate", action="store_true", help="also blox's single changes")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated ablation variants to run, in this order "
+        f"(default with --ablate: all of {list(VARIANTS)[1:]})",
+    )
+    parser.add_argument(
+        "--no-base", action="store_true", help="leave out blox's recipe itself (with --variants)"
+    )
+    parser.add_argument(
+        "--cache",
+        default=os.path.join(ROOT, "runs", "sysid_vs_tsfast", "results.jsonl"),
+        help="JSON-lines file of finished runs: cached runs are skipped and "
+        "the report is rendered from all cached runs ('' for none)",
+    )
+    parser.add_argument(
+        "--render-only", action="store_true", help="run nothing: render the report from the cache"
+    )
+    parser.add_argument("--keep-going", action="store_true",
+                        help="log a failed run and go on with the next")  # fmt: skip
     parser.add_argument("--timed-steps", type=int, default=20)
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: tiny data, 1 epoch x 3 batches, 1 seed")  # fmt: skip
@@ -460,6 +644,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.size, args.epochs, args.batches_per_epoch, args.seeds = "tiny", 1, 3, 1
         args.timed_steps = 2
+        if args.cache == parser.get_default("cache"):
+            args.cache = ""  # a smoke test never mixes into the real cache
+    if args.variants is not None:
+        args.variants = [v for v in args.variants.split(",") if v]
+    else:
+        args.variants = list(VARIANTS)[1:] if args.ablate else []
+    unknown = [v for v in args.variants if v not in VARIANTS or v == "base"]
+    if unknown:
+        parser.error(f"unknown variants {unknown}: known {list(VARIANTS)[1:]}")
     args.systems = [s for s in args.systems.split(",") if s]
     args.models = [m for m in args.models.split(",") if m]
     bad = [s for s in args.systems if s not in SYSTEMS]
@@ -484,21 +677,42 @@ def main(argv: list[str] | None = None) -> None:
     started, env, command = _timing.start_run("sysid_vs_tsfast")
     t_all = time.perf_counter()
     data = _datasets(args)
-    results = []
-    jobs = _jobs(args)
+    cache = load_cache(args.cache)
+    jobs = [] if args.render_only else _jobs(args)
+    todo = pending_jobs(jobs, cache, args)
+    _timing.log(f"{len(jobs)} runs asked, {len(jobs) - len(todo)} cached in {args.cache}, "
+                f"{len(todo)} to run")  # fmt: skip
+    fresh = []
     with tempfile.TemporaryDirectory() as tmp:
-        for k, job in enumerate(jobs, 1):
+        for k, job in enumerate(todo, 1):
             side, system, model, seed = job
             pred = os.path.join(tmp, f"pred_{k}.npy")
-            res, wall = _run_child(_command(job, data, args, pred), cpus, args.threads)
+            try:
+                res, wall = _run_child(_command(job, data, args, pred), cpus, args.threads)
+            except RuntimeError as e:  # one failed run must not end a long queue
+                if not args.keep_going:
+                    raise
+                _timing.log(f"[{k}/{len(todo)}] {side} {system} {model} seed {seed} FAILED: {e}")
+                continue
             res.update(side=side, system=system, model=model, seed=seed, wall_s=wall,
-                       rmse=_test_rmse(pred, data[system]["spec"]["test"][0]))  # fmt: skip
-            results.append(res)
-            _timing.log(f"[{k}/{len(jobs)}] {side} {system} {model} seed {seed}: RMSE "
+                       rmse=_test_rmse(pred, data[system]["spec"]["test"][0]),
+                       rmse_other=(_test_rmse(pred + ".other.npy", data[system]["spec"]["test"][0])
+                                   if os.path.exists(pred + ".other.npy") else None),
+                       epochs=args.epochs, batches_per_epoch=args.batches_per_epoch,
+                       size=args.size, recipe_settings=recipe_settings(side),
+                       finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       load=os.getloadavg())  # fmt: skip
+            res["threads"] = args.threads
+            if args.cache:
+                append_cache(args.cache, res)
+            cache[_key_for(job, args)] = res
+            fresh.append(res)
+            _timing.log(f"[{k}/{len(todo)}] {side} {system} {model} seed {seed}: RMSE "
                         f"{res['rmse']:.4e}, step {1e3 * res['step_s']:.1f} ms, free run "
                         f"{res['free_run_s']:.3f} s, loop {res['loop_steps_per_s']:.1f} "
                         f"steps/s, process {wall:.1f} s")  # fmt: skip
     total = time.perf_counter() - t_all
+    results = cached_results(cache, args) if args.cache else fresh
     report, sysid = render(results, args, env, started, command, total)
     _timing.publish(report, args.out, "sysid_vs_tsfast")
     _timing.log("\n" + sysid)

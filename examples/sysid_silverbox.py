@@ -25,7 +25,6 @@ import os
 import time
 
 import jax
-import optax
 
 import blox as bx
 from blox.data import WindowedSource, channel_stats, pipeline
@@ -153,14 +152,12 @@ def run(
         params = rng.seed(bx.Params(), seed=args.seed)
         _, params = model(params, first["u"])
         params = params.locked()
-        tx = optax.chain(
-            optax.clip_by_global_norm(1.0),
-            optax.adam(bx.flat_cosine_schedule(3e-3, steps, pct_start=0.75)),
-        )
         log = (lambda n, v: print(f"step={n} loss={v!r}")) if name == "gru" else None
         t0 = time.perf_counter()
-        fit = fit_sysid(model, params, tx, batches, valid=valid, seed=args.seed,
-                        noise=0.02 if name == "gru" else 0.0, on_step=log, **budget)  # fmt: skip
+        # blox's recipe (blox.ts.SYSID_RECIPE: Adam, schedule, clipping, loss, noise, the
+        # best validation's params); only the GRU trains with input noise here.
+        fit = fit_sysid(model, params, batches, valid=valid, seed=args.seed,
+                        noise=None if name == "gru" else 0.0, on_step=log, **budget)  # fmt: skip
         secs = time.perf_counter() - t0
         metrics, (sim,) = evaluate_free_run(model, fit.params, test, n_skip=n_skip)
         results[name], sims[name] = metrics, sim

@@ -26,6 +26,7 @@ from blox.ts._physics import PINN as PINN
 from blox.ts._physics import msd_residual as msd_residual
 from blox.ts._physics import physics_loss as physics_loss
 from blox.ts._physics import time_derivatives as time_derivatives
+from blox.ts._recipes import SYSID_RECIPE as SYSID_RECIPE
 from blox.ts._recipes import SysIdFit as SysIdFit
 from blox.ts._recipes import fit_sysid as fit_sysid
 from blox.ts._recipes import inject_noise as inject_noise

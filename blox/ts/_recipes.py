@@ -7,6 +7,7 @@ import copy
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -16,13 +17,56 @@ import optax
 from jax.typing import ArrayLike
 
 from blox.core import Params
-from blox.train import make_train_step
+from blox.train import flat_cosine_schedule, make_train_step
 from blox.train._logging import _require
 from blox.ts._evaluate import evaluate_free_run, make_simulator
 
-__all__ = ["SysIdFit", "fit_sysid", "inject_noise", "make_sysid_step", "sysid_loss"]
+__all__ = ["SYSID_RECIPE", "SysIdFit", "fit_sysid", "inject_noise", "make_sysid_step",
+           "sysid_loss"]  # fmt: skip
 
 _LOSSES = ("mse", "mae")
+_SELECT = ("best", "final")
+
+
+class _Recipe(Mapping):
+    """blox's system-identification recipe: the settings `fit_sysid` uses for those the
+    caller leaves out, as a read-only mapping (see `SYSID_RECIPE`)."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self._values = MappingProxyType(dict(values))
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"SYSID_RECIPE({dict(self._values)!r})"
+
+
+SYSID_RECIPE: Mapping[str, Any] = _Recipe(
+    {"lr": 1e-2, "pct_start": 0.75, "clip": 1.0, "loss": "mse", "noise": 0.02, "select": "best"}
+)
+"""blox's system-identification recipe: what `fit_sysid` uses for each setting the
+caller leaves out (a read-only mapping).
+
+``lr``: Adam's peak learning rate; ``pct_start``: the flat fraction of
+`blox.train.flat_cosine_schedule` over the whole budget; ``clip``: the global gradient
+norm (0: none); ``loss``: `sysid_loss`'s ``'mse'`` or ``'mae'`` in normalized units;
+``noise``: the input noise level of `inject_noise`; ``select``: ``'best'`` (the best
+free-run validation's params) or ``'final'``. docs/sysid.md gives the ablation behind
+each value.
+
+Example::
+
+    >>> from blox.ts import SYSID_RECIPE
+    >>> SYSID_RECIPE["lr"]
+    0.01
+"""
 
 
 def inject_noise(
@@ -181,8 +225,8 @@ class SysIdFit:
     """What `fit_sysid` returns.
 
     Attributes:
-      params: the params with the best validation score (the last ones without
-        validation).
+      params: the params `fit_sysid`'s ``select`` chose: by default those with the best
+        validation score (the last ones without validation).
       best_step: the step of those params (the number of steps taken before them).
       best_score: their validation score (mean NRMSE over output channels), or nan.
       steps: the steps taken (fewer than asked when early stopping fired).
@@ -191,6 +235,8 @@ class SysIdFit:
       losses: the training loss of every step.
       final_params: the params after the last step taken (whatever their validation
         score): the model a fixed-budget recipe without model selection would keep.
+      best_params: the params with the best validation score (the last ones without
+        validation), whatever ``select`` chose.
       compile_s: wall time of the first step, waited for (trace, compile, one step).
       train_s: wall time of the other steps (batches drawn, steps run, params ready),
         validation excluded.
@@ -205,6 +251,7 @@ class SysIdFit:
     history: list[dict] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     final_params: Params | None = None
+    best_params: Params | None = None
     compile_s: float = float("nan")
     train_s: float = 0.0
     eval_s: float = 0.0
@@ -254,28 +301,62 @@ class _Clock:
             self.start = None
 
 
+def _recipe_tx(
+    total: int, lr: float | None, clip: float | None, pct_start: float | None
+) -> optax.GradientTransformation:
+    """The recipe's optimizer: Adam on `flat_cosine_schedule`, after global-norm clipping."""
+    lr = SYSID_RECIPE["lr"] if lr is None else lr
+    clip = SYSID_RECIPE["clip"] if clip is None else clip
+    pct_start = SYSID_RECIPE["pct_start"] if pct_start is None else pct_start
+    for name, value in (("lr", lr), ("clip", clip), ("pct_start", pct_start)):
+        if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+            raise TypeError(f"fit_sysid: {name} must be a number, got {value!r}.")
+    if not lr > 0:
+        raise ValueError(f"fit_sysid: lr must be > 0, got {lr!r}.")
+    if not clip >= 0:
+        raise ValueError(f"fit_sysid: clip must be >= 0 (0: no clipping), got {clip!r}.")
+    if not 0.0 <= pct_start <= 1.0:
+        raise ValueError(f"fit_sysid: pct_start must be in [0, 1], got {pct_start!r}.")
+    adam = optax.adam(flat_cosine_schedule(float(lr), total, pct_start=float(pct_start)))
+    return adam if clip == 0 else optax.chain(optax.clip_by_global_norm(float(clip)), adam)
+
+
 def fit_sysid(
     model: Any,
     params: Params,
-    tx: optax.GradientTransformation,
     batches: Iterable[Mapping[str, ArrayLike]],
     *,
     steps: int | None = None,
     epochs: int | None = None,
     batches_per_epoch: int | None = None,
     valid: Sequence[Mapping[str, ArrayLike]] | None = None,
+    tx: optax.GradientTransformation | None = None,
+    lr: float | None = None,
+    clip: float | None = None,
+    pct_start: float | None = None,
+    loss: str | None = None,
+    noise: float | None = None,
+    bias: float = 0.0,
+    select: str | None = None,
     eval_every: int | None = None,
     patience: int | None = None,
     seed: int = 0,
-    noise: float = 0.0,
-    bias: float = 0.0,
-    loss: str = "mse",
     on_step: Callable[[int, float], None] | None = None,
     on_eval: Callable[[dict], None] | None = None,
     progress: bool = False,
     log_every: int = 50,
 ) -> SysIdFit:
-    """Trains with `make_sysid_step`, validating by free-run simulation; stops early.
+    """The system-identification recipe in one call: trains with `make_sysid_step`,
+    validating by free-run simulation, and returns the chosen params.
+
+    Every recipe setting left out (``None``) is blox's default, `SYSID_RECIPE`
+    (docs/sysid.md says which ablation chose each): Adam at ``lr`` on
+    `blox.train.flat_cosine_schedule` (flat for ``pct_start`` of the steps, then cosine
+    decay) over the whole budget, after ``optax.clip_by_global_norm(clip)``; the
+    ``loss`` (`sysid_loss`, normalized units), input ``noise`` (`inject_noise`), and
+    which params `SysIdFit.params` holds (``select``: the best validation's, or the
+    final ones). ``tx=`` replaces the whole optimizer (then `lr`, `clip` and `pct_start`
+    must be left out).
 
     The budget is `steps`, or `epochs` of `batches_per_epoch` batches each (``epochs *
     batches_per_epoch`` steps drawn from the one iterator `batches`, e.g. a pipeline
@@ -284,9 +365,8 @@ def fit_sysid(
     trained by epochs, else 100) and after the last step the whole validation
     recordings are simulated free-run (`evaluate_free_run`); the score is the mean NRMSE
     over output channels, the params of the best score are kept, and training stops
-    after `patience` validations without improvement. The params after the last step
-    are returned too (`SysIdFit.final_params`). Batches with ``'is_first'`` (TBPTT
-    order) carry the state from one batch to the next; other batches start fresh.
+    after `patience` validations without improvement. Batches with ``'is_first'``
+    (TBPTT order) carry the state from one batch to the next; other batches start fresh.
 
     Timing (as `blox.train.fit`): the first step is waited for and timed alone
     (``compile_s``); ``train_s`` is the wall time of the other steps including drawing
@@ -297,17 +377,27 @@ def fit_sysid(
     Args:
       model: a `SysIdModel`.
       params: initialized (locked) params.
-      tx: the Optax transformation (e.g. Adam on `blox.train.flat_cosine_schedule`).
       batches: an iterable of ``{'u', 'y'[, 'is_first']}`` batches (at least as many as
         the budget's steps).
       steps: the number of training steps (or give `epochs` and `batches_per_epoch`).
       epochs: the number of epochs (with `batches_per_epoch`).
       batches_per_epoch: steps per epoch.
       valid: validation recordings ``[{'u': [T, Cu], 'y': [T, Cy]}, ...]``.
+      tx: an Optax transformation replacing the recipe's optimizer.
+      lr: Adam's peak learning rate (default ``SYSID_RECIPE['lr']``).
+      clip: the global gradient norm clipped to (``0``: no clipping; default
+        ``SYSID_RECIPE['clip']``).
+      pct_start: the schedule's flat fraction, in ``[0, 1]`` (default
+        ``SYSID_RECIPE['pct_start']``).
+      loss: ``'mse'`` or ``'mae'`` (see `sysid_loss`; default ``SYSID_RECIPE['loss']``).
+      noise: input noise level (see `inject_noise`; default ``SYSID_RECIPE['noise']``).
+      bias: per-sequence input offset level (see `inject_noise`).
+      select: ``'best'`` (the best validation's params; the final ones without
+        validation) or ``'final'`` (the params after the last step), for
+        `SysIdFit.params` (default ``SYSID_RECIPE['select']``).
       eval_every: steps between validations.
       patience: validations without improvement before stopping (``None``: never).
       seed: seeds the noise-injection keys.
-      noise, bias, loss: see `sysid_loss`.
       on_step: called as ``on_step(step, loss)`` after every step (step from 1), e.g.
         to print ``step=<n> loss=<repr(loss)>``.
       on_eval: called with each history entry.
@@ -315,16 +405,43 @@ def fit_sysid(
       log_every: steps between the bar's loss updates (each one syncs).
 
     Returns:
-      A `SysIdFit`.
+      A `SysIdFit`: ``params`` (the `select`-ed ones), ``best_params``,
+      ``final_params``, the validation history, every step's loss and the timing.
+
+    Raises:
+      TypeError: an Optax transformation given where the batches go (the optimizer is
+        the keyword ``tx=``), or a non-numeric `lr`, `clip` or `pct_start`.
+      ValueError: a bad budget, `tx` with `lr`/`clip`/`pct_start`, an unknown `loss`
+        or `select`, out-of-range settings, or batches that run out.
 
     Example::
 
-        fit = fit_sysid(model, params, tx, iter(ds), epochs=10, batches_per_epoch=300,
-                        valid=valid, progress=True)
+        fit = fit_sysid(model, params, iter(ds), epochs=10, batches_per_epoch=300,
+                        valid=valid, progress=True)      # blox's recipe, nothing else
         print(fit.best_score, fit.steps_per_s)
         best, last = fit.params, fit.final_params
     """
+    if isinstance(batches, optax.GradientTransformation):
+        raise TypeError(
+            "fit_sysid(model, params, batches, *, tx=None, ...): the third argument is the "
+            "batch iterable and got an Optax transformation; pass the optimizer as tx=... "
+            "(or leave it out for the recipe's)."
+        )
+    loss = SYSID_RECIPE["loss"] if loss is None else loss
+    noise = SYSID_RECIPE["noise"] if noise is None else noise
+    select = SYSID_RECIPE["select"] if select is None else select
+    if loss not in _LOSSES:
+        raise ValueError(f"fit_sysid: loss must be one of {_LOSSES}, got {loss!r}.")
+    if select not in _SELECT:
+        raise ValueError(f"fit_sysid: select must be one of {_SELECT}, got {select!r}.")
+    if tx is not None and (lr, clip, pct_start) != (None, None, None):
+        raise ValueError(
+            f"fit_sysid: tx= replaces the recipe's optimizer; lr={lr!r}, clip={clip!r}, "
+            f"pct_start={pct_start!r} shape only the recipe's: give tx or those, not both."
+        )
     total, per_epoch = _budget(steps, epochs, batches_per_epoch)
+    if tx is None:
+        tx = _recipe_tx(total, lr, clip, pct_start)
     if eval_every is None:
         eval_every = per_epoch if per_epoch is not None else 100
     eval_every = _positive_int("eval_every", eval_every)
@@ -413,4 +530,7 @@ def fit_sysid(
         result.steps_per_s = (result.steps - 1) / clock.train_s
     if not valid:
         result.params, result.best_step = params, result.steps
+    result.best_params = result.params
+    if select == "final":
+        result.params = params
     return result

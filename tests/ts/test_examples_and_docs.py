@@ -77,8 +77,12 @@ def test_sysid_vs_tsfast_harness_quick_blox_side(tmp_path):
     text = run_benchmark_quick("sysid_vs_tsfast.py", "sysid_vs_tsfast", tmp_path / "bench.md",
                                "--no-tsfast", "--systems", "wh", "--models", "lstm",
                                "--data", str(tmp_path / "data"))  # fmt: skip
-    row = re.search(r"^\| Wiener-Hammerstein-like \| LSTM 1x40 \| not run \| (\S+) \|", text, re.M)
+    row = re.search(r"^\| Wiener-Hammerstein-like \| LSTM 1x40 \| 0, 1 \| not run \| (\S+) \|",
+                    text, re.M)  # fmt: skip
     assert row, text
     rmse = float(row.group(1))
     assert 0 < rmse < 10, text  # finite, and a free run of the test recording, not garbage
     assert "SMALL BUDGET" in text
+    # Every blox run also scores its other params (here the final ones).
+    assert re.search(r"^\| Wiener-Hammerstein-like \| LSTM 1x40 \| base, final params \| .* "
+                     r"\| 1 \| \d\.\d{3}e[-+]\d\d \|", text, re.M), text  # fmt: skip

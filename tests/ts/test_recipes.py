@@ -134,14 +134,14 @@ def test_fit_learns_then_early_stopping_keeps_the_best(tmp_path):
     params = params.locked()
     seen = []
     tx = optax.adam(1e-2)
-    fit = fit_sysid(model, params, tx, iter(ds), steps=30, valid=valid, eval_every=15,
+    fit = fit_sysid(model, params, iter(ds), tx=tx, steps=30, valid=valid, eval_every=15,
                     noise=0.05, on_step=lambda n, v: seen.append((n, v)))  # fmt: skip
     assert [n for n, _ in seen] == list(range(1, 31)) and fit.steps == 30
     assert np.mean(fit.losses[-5:]) < 0.75 * np.mean(fit.losses[:5])
     assert len(fit.history) == 2 and [h["step"] for h in fit.history] == [15, 30]
     # Gradient *ascent* makes validation worse after the first check: with patience 2
     # training stops at the third check and keeps the params of the first.
-    worse = fit_sysid(model, fit.params, optax.sgd(-0.5), iter(ds), steps=100, valid=valid,
+    worse = fit_sysid(model, fit.params, iter(ds), tx=optax.sgd(-0.5), steps=100, valid=valid,
                       eval_every=5, patience=2)  # fmt: skip
     assert worse.steps == 15 and worse.best_step == 5
     scores = [h["score"] for h in worse.history]
@@ -221,7 +221,8 @@ def _assert_same_params(a, b):
 def test_fit_by_epochs_runs_epochs_times_batches_and_returns_the_final_params(tmp_path):
     model, params, valid, data = _fit_setup(tmp_path, 6)
     tx = optax.adam(1e-2)
-    fit = fit_sysid(model, params, tx, iter(data), epochs=3, batches_per_epoch=2, valid=valid)
+    fit = fit_sysid(model, params, iter(data), tx=tx, epochs=3, batches_per_epoch=2, valid=valid,
+                    noise=0.0)  # fmt: skip
     assert fit.steps == 6 and len(fit.losses) == 6
     # Validated at each epoch's end (eval_every defaults to batches_per_epoch).
     assert [(h["epoch"], h["step"]) for h in fit.history] == [(1, 2), (2, 4), (3, 6)]
@@ -234,7 +235,8 @@ def test_fit_by_epochs_runs_epochs_times_batches_and_returns_the_final_params(tm
     _assert_same_params(fit.final_params, p)
     np.testing.assert_allclose(fit.losses, losses, rtol=1e-6)
     # The same budget given as steps trains the same.
-    again = fit_sysid(model, params, tx, iter(data), steps=6, valid=valid, eval_every=2)
+    again = fit_sysid(model, params, iter(data), tx=tx, steps=6, valid=valid, eval_every=2,
+                      noise=0.0)  # fmt: skip
     _assert_same_params(again.final_params, p)
     assert [h["step"] for h in again.history] == [2, 4, 6] and "epoch" not in again.history[0]
     # The final params score what the last validation says; the best ones the best.
@@ -247,7 +249,7 @@ def test_fit_by_epochs_runs_epochs_times_batches_and_returns_the_final_params(tm
 def test_fit_final_params_differ_from_the_best_after_early_stopping(tmp_path):
     model, params, valid, data = _fit_setup(tmp_path, 15)
     # Gradient ascent: validation gets worse after the first check.
-    fit = fit_sysid(model, params, optax.sgd(-0.5), iter(data), steps=15, valid=valid,
+    fit = fit_sysid(model, params, iter(data), tx=optax.sgd(-0.5), steps=15, valid=valid,
                     eval_every=5, patience=2)  # fmt: skip
     assert fit.steps == 15 and fit.best_step == 5
     best, _ = evaluate_free_run(model, fit.params, valid)
@@ -261,7 +263,7 @@ def test_fit_final_params_differ_from_the_best_after_early_stopping(tmp_path):
 def test_fit_reports_timing_and_shows_a_progress_bar(tmp_path, capsys):
     model, params, valid, data = _fit_setup(tmp_path, 8)
     t0 = time.perf_counter()
-    fit = fit_sysid(model, params, optax.adam(1e-2), iter(data), epochs=2, batches_per_epoch=4,
+    fit = fit_sysid(model, params, iter(data), tx=optax.adam(1e-2), epochs=2, batches_per_epoch=4,
                     valid=valid, progress=True, log_every=2)  # fmt: skip
     wall = time.perf_counter() - t0
     err = capsys.readouterr().err
@@ -270,7 +272,7 @@ def test_fit_reports_timing_and_shows_a_progress_bar(tmp_path, capsys):
     # The three parts do not overlap: together they fit in the call's wall time.
     assert fit.compile_s + fit.train_s + fit.eval_s <= wall
     np.testing.assert_allclose(fit.steps_per_s, 7 / fit.train_s)
-    one = fit_sysid(model, params, optax.adam(1e-2), iter(data), steps=1)
+    one = fit_sysid(model, params, iter(data), tx=optax.adam(1e-2), steps=1)
     assert np.isnan(one.steps_per_s) and one.train_s == 0.0 and one.compile_s > 0
 
 
@@ -289,6 +291,92 @@ def test_fit_budget_errors(tmp_path):
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
-            fit_sysid(model, params, tx, iter(data), valid=valid, **kwargs)
+            fit_sysid(model, params, iter(data), tx=tx, valid=valid, **kwargs)
     with pytest.raises(ValueError, match="ran out after 1 of 4 steps"):
-        fit_sysid(model, params, tx, iter(data), epochs=2, batches_per_epoch=2)
+        fit_sysid(model, params, iter(data), tx=tx, epochs=2, batches_per_epoch=2)
+
+
+def _hand_flat_cos(peak, total, pct_start):
+    """fastai's fit_flat_cos schedule written out (flat, then cosine to peak / 1e5)."""
+    flat = int(round(pct_start * total))
+    end = peak / 1e5
+
+    def value(t):
+        p = jnp.clip((jnp.asarray(t, jnp.float32) - flat) / max(total - flat, 1), 0.0, 1.0)
+        return end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * p))
+
+    return value
+
+
+def _by_hand(model, params, data, tx, *, noise, loss, seed=0):
+    step = jax.jit(make_sysid_step(model, tx, noise=noise, loss=loss))
+    p, opt_state, losses = params, tx.init(params.split()[0]), []
+    for n, batch in enumerate(data, 1):
+        key = jax.random.fold_in(jax.random.key(seed), n)
+        p, opt_state, _, metrics = step(p, opt_state, None, batch, key)
+        losses.append(float(metrics["loss"]))
+    return p, losses
+
+
+@pytest.mark.standard_promotion
+def test_fit_without_recipe_arguments_trains_blox_recipe(tmp_path):
+    model, params, valid, data = _fit_setup(tmp_path, 6)
+    fit = fit_sysid(model, params, iter(data), steps=6, valid=valid, eval_every=3, seed=2)
+    # The recipe by hand: clipping at 1.0, Adam at 1e-2 flat for 75 % then cosine,
+    # MSE in normalized units, input noise 0.02; the best validation's params.
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(_hand_flat_cos(1e-2, 6, 0.75)))
+    p, losses = _by_hand(model, params, data, tx, noise=0.02, loss="mse", seed=2)
+    _assert_same_params(fit.final_params, p)
+    np.testing.assert_allclose(fit.losses, losses, rtol=1e-6)
+    best = min(fit.history, key=lambda h: h["score"])
+    assert fit.best_step == best["step"]
+    got, _ = evaluate_free_run(model, fit.params, valid)
+    np.testing.assert_allclose(np.mean(got["nrmse"]), best["score"], rtol=1e-6)
+    assert fit.best_params is fit.params
+
+
+@pytest.mark.standard_promotion
+def test_fit_recipe_settings_change_the_recipe_one_by_one(tmp_path):
+    model, params, valid, data = _fit_setup(tmp_path, 4)
+    fit = fit_sysid(model, params, iter(data), steps=4, valid=valid, lr=3e-3, clip=0.0,
+                    pct_start=0.0, loss="mae", noise=0.0, select="final")  # fmt: skip
+    tx = optax.adam(_hand_flat_cos(3e-3, 4, 0.0))  # no clipping
+    p, losses = _by_hand(model, params, data, tx, noise=0.0, loss="mae")
+    _assert_same_params(fit.final_params, p)
+    _assert_same_params(fit.params, p)  # select='final'
+    np.testing.assert_allclose(fit.losses, losses, rtol=1e-6)
+    # The best params stay available: they score the best validation.
+    got, _ = evaluate_free_run(model, fit.best_params, valid)
+    np.testing.assert_allclose(np.mean(got["nrmse"]), fit.best_score, rtol=1e-6)
+    # A given tx replaces the recipe's optimizer (plain SGD here).
+    sgd = fit_sysid(model, params, iter(data), steps=4, tx=optax.sgd(0.1), noise=0.0)
+    p, _ = _by_hand(model, params, data, optax.sgd(0.1), noise=0.0, loss="mse")
+    _assert_same_params(sgd.params, p)  # no validation: the final params
+
+
+def test_fit_recipe_errors(tmp_path):
+    model, params, valid, data = _fit_setup(tmp_path, 1)
+    with pytest.raises(TypeError, match=r"got an Optax transformation; pass the optimizer as tx="):
+        fit_sysid(model, params, optax.adam(1e-2), steps=1)
+    cases = [
+        (dict(tx=optax.adam(1e-2), lr=1e-3), r"tx= replaces the recipe's optimizer; lr=0.001"),
+        (dict(tx=optax.adam(1e-2), clip=0.0), "give tx or those, not both"),
+        (dict(loss="huber"), r"loss must be one of \('mse', 'mae'\), got 'huber'"),
+        (dict(select="last"), r"select must be one of \('best', 'final'\), got 'last'"),
+        (dict(lr=0.0), "lr must be > 0, got 0.0"),
+        (dict(clip=-1.0), r"clip must be >= 0 \(0: no clipping\), got -1.0"),
+        (dict(pct_start=1.5), r"pct_start must be in \[0, 1\], got 1.5"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            fit_sysid(model, params, iter(data), steps=1, valid=valid, **kwargs)
+    with pytest.raises(TypeError, match="lr must be a number, got '3e-3'"):
+        fit_sysid(model, params, iter(data), steps=1, lr="3e-3")
+
+
+def test_sysid_recipe_is_read_only():
+    from blox.ts import SYSID_RECIPE
+
+    assert set(SYSID_RECIPE) == {"lr", "pct_start", "clip", "loss", "noise", "select"}
+    with pytest.raises(TypeError):
+        SYSID_RECIPE["lr"] = 1.0

@@ -1,0 +1,139 @@
+"""The result cache of ``benchmarks/sysid_vs_tsfast.py``: what keys a run, which runs a
+rerun skips, and which cached runs the report is rendered from (pure functions, no run)."""
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # its `import _timing`
+    spec = importlib.util.spec_from_file_location(
+        "_blox_bench_sysid_vs_tsfast", os.path.join(REPO, "benchmarks", "sysid_vs_tsfast.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)
+        sys.path.remove(os.path.join(REPO, "benchmarks"))
+
+
+def _args(**kw):
+    base = dict(epochs=10, batches_per_epoch=300, size="default", threads=1, seeds=2,
+                systems=["wh"], models=["lstm"], no_tsfast=False, no_base=False,
+                variants=[])  # fmt: skip
+    return argparse.Namespace(**dict(base, **kw))
+
+
+def test_the_key_holds_every_field_and_the_recipe_hash(bench):
+    fields = dict(epochs=10, batches_per_epoch=300, size="default", threads=1)
+    key = bench.run_key("blox:base", "wh", "lstm", 0, **fields)
+    text = json.dumps(dict(bench.RECIPE), sort_keys=True, separators=(",", ":"))
+    assert json.loads(key) == dict(v=bench.CACHE_VERSION, lib="blox", system="wh",
+                                   model="lstm", seed=0, recipe=hashlib.sha256(
+                                       text.encode()).hexdigest()[:12], **fields)  # fmt: skip
+    others = [
+        bench.run_key("tsfast", "wh", "lstm", 0, **fields),
+        bench.run_key("blox:l1", "wh", "lstm", 0, **fields),
+        bench.run_key("blox:base", "silverbox", "lstm", 0, **fields),
+        bench.run_key("blox:base", "wh", "gru", 0, **fields),
+        bench.run_key("blox:base", "wh", "lstm", 1, **fields),
+        bench.run_key("blox:base", "wh", "lstm", 0, **dict(fields, epochs=9)),
+        bench.run_key("blox:base", "wh", "lstm", 0, **dict(fields, batches_per_epoch=299)),
+        bench.run_key("blox:base", "wh", "lstm", 0, **dict(fields, size="tiny")),
+        bench.run_key("blox:base", "wh", "lstm", 0, **dict(fields, threads=2)),
+    ]
+    assert len({key, *others}) == len(others) + 1
+
+
+def test_a_changed_recipe_default_changes_the_key(bench, monkeypatch):
+    fields = dict(epochs=10, batches_per_epoch=300, size="default", threads=1)
+    before = bench.run_key("blox:base", "wh", "lstm", 0, **fields)
+    l1 = bench.run_key("blox:l1", "wh", "lstm", 0, **fields)
+    tsfast = bench.run_key("tsfast", "wh", "lstm", 0, **fields)
+    monkeypatch.setitem(bench.RECIPE, "loss", "mae")
+    after = bench.run_key("blox:base", "wh", "lstm", 0, **fields)
+    assert after != before
+    # The recipe's new default is what the L1 variant trained: the same run, cached once.
+    assert after == l1
+    assert bench.run_key("tsfast", "wh", "lstm", 0, **fields) == tsfast
+
+
+def test_unknown_variant_is_named(bench):
+    with pytest.raises(ValueError, match=r"unknown variant 'nope'"):
+        bench.recipe_settings("blox:nope")
+
+
+def test_jobs_order_then_a_rerun_skips_the_cached_runs(bench, tmp_path):
+    args = _args(variants=["l1", "no_clip"])
+    jobs = bench._jobs(args)
+    assert jobs == [("tsfast", "wh", "lstm", 0), ("blox:base", "wh", "lstm", 0),
+                    ("tsfast", "wh", "lstm", 1), ("blox:base", "wh", "lstm", 1),
+                    ("blox:l1", "wh", "lstm", 0), ("blox:l1", "wh", "lstm", 1),
+                    ("blox:no_clip", "wh", "lstm", 0),
+                    ("blox:no_clip", "wh", "lstm", 1)]  # fmt: skip
+    path = str(tmp_path / "runs" / "results.jsonl")
+    assert bench.load_cache(path) == {}  # no file yet
+    for job in jobs[:3]:
+        bench.append_cache(path, _record(bench, job, args))
+    cache = bench.load_cache(path)
+    assert bench.pending_jobs(jobs, cache, args) == jobs[3:]
+    # Another budget or thread count finds none of them.
+    assert bench.pending_jobs(jobs, cache, _args(variants=["l1", "no_clip"], epochs=5)) == jobs
+    assert bench.pending_jobs(jobs, cache, _args(variants=["l1", "no_clip"], threads=2)) == jobs
+
+
+def _record(bench, job, args, **kw):
+    side, system, model, seed = job
+    rec = dict(side=side, system=system, model=model, seed=seed, epochs=args.epochs,
+               batches_per_epoch=args.batches_per_epoch, size=args.size, threads=args.threads,
+               recipe_settings=bench.recipe_settings(side), rmse=1.0)  # fmt: skip
+    return dict(rec, **kw)
+
+
+def test_load_cache_leaves_out_a_torn_line_and_keeps_the_last_record(bench, tmp_path):
+    args = _args()
+    a = _record(bench, ("blox:base", "wh", "lstm", 0), args, rmse=1.0)
+    b = _record(bench, ("tsfast", "wh", "lstm", 0), args, rmse=2.0)
+    a2 = dict(a, rmse=3.0)
+    path = tmp_path / "results.jsonl"
+    lines = [json.dumps(a), json.dumps(b), json.dumps({"rmse": 4.0}), json.dumps(a2),
+             json.dumps(a)[:40]]  # fmt: skip
+    path.write_text("\n".join(lines))
+    cache = bench.load_cache(str(path))
+    assert cache == {bench._key_for(("blox:base", "wh", "lstm", 0), args): a2,
+                     bench._key_for(("tsfast", "wh", "lstm", 0), args): b}  # fmt: skip
+
+
+def test_the_report_reads_every_cached_seed_of_the_current_recipe(bench, tmp_path):
+    args = _args(seeds=1)
+    path = str(tmp_path / "results.jsonl")
+    recs = [("tsfast", 0, args), ("tsfast", 3, args), ("blox:base", 0, args),
+            ("blox:base", 1, _args(epochs=1)),  # another budget: left out
+            ("blox:l1", 2, args)]  # fmt: skip
+    for side, seed, a in recs:
+        bench.append_cache(path, _record(bench, (side, "wh", "lstm", seed), a))
+    got = bench.cached_results(bench.load_cache(path), args)
+    assert [(r["side"], r["seed"]) for r in got] == [("tsfast", 0), ("tsfast", 3),
+                                                     ("blox:base", 0), ("blox:l1", 2)]  # fmt: skip
+    assert bench.cached_results(bench.load_cache(path), _args(models=["gru"])) == []
+
+
+def test_an_older_record_without_clipping_keys_as_the_no_clip_variant(bench):
+    args = _args()
+    old = _record(bench, ("blox:no_clip", "wh", "lstm", 0), args)
+    old["recipe_settings"] = dict(old["recipe_settings"], clip=None)  # as written before
+    assert bench.record_key(old) == bench._key_for(("blox:no_clip", "wh", "lstm", 0), args)
+    assert bench.record_key(old) != bench._key_for(("blox:base", "wh", "lstm", 0), args)
+    assert bench.record_key({"side": "tsfast"}) is None  # lacks the key's fields
