@@ -16,27 +16,11 @@ from blox.parallel._schedules import (
     gpipe_schedule,
     one_f_one_b_schedule,
 )
+from tests.parallel.pipeline_common import Counter
 from tests.tolerances import tol
 
 P_STAGES, WIDTH, D_IN, CLASSES = 4, 8, 5, 3
 F32 = tol(jnp.float32)
-
-
-class Counter(bx.Module):
-    """Non-trainable state: counts calls and keeps a running mean of its input."""
-
-    def __call__(self, params, h):
-        n, params = self.get_param(
-            params, "calls", (), jax.nn.initializers.zeros, dtype=jnp.int32, trainable=False
-        )
-        mu, params = self.get_param(
-            params, "mean", (h.shape[-1],), jax.nn.initializers.zeros, trainable=False
-        )
-        params = self.set_param(params, "calls", n + 1)
-        params = self.set_param(
-            params, "mean", 0.9 * mu + 0.1 * jnp.mean(h, axis=0).astype(mu.dtype)
-        )
-        return h, params
 
 
 def _model(dtype=None):

@@ -15,6 +15,7 @@ import pytest
 
 import blox as bx
 from blox.parallel import pipeline_value_and_grad, stack_stages
+from tests.parallel.pipeline_common import conditional_heads
 
 P_STAGES = 4
 # Distinct sizes, so that an m-sized buffer is recognisable in the HLO text: m = 32
@@ -73,25 +74,6 @@ def _compiled(schedule, m, **kw):
     return step.lower(*args).compile(compiler_options={"xla_cpu_use_fusion_emitters": True})
 
 
-def _conditional_signatures(hlo: str) -> list[str]:
-    """The parameter lists of every branch computation of every conditional."""
-    names = set()
-    for line in hlo.splitlines():
-        if " conditional(" in line:
-            found = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if found:
-                names.update(n.strip().lstrip("%") for n in found.group(1).split(","))
-            else:  # true_computation= / false_computation=
-                names.update(re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line))
-    heads = [
-        line
-        for line in hlo.splitlines()
-        if any(line.lstrip().lstrip("%").startswith(n + " ") for n in names)
-    ]
-    assert len(heads) == len(names), (names, heads)
-    return heads
-
-
 def _copies(hlo: str) -> int:
     return len(re.findall(r"= \S+ copy\(", hlo))
 
@@ -104,7 +86,7 @@ def test_no_m_sized_buffer_enters_a_conditional(schedule):
     runs, so none may hold a buffer of m microbatches (the inputs, a GPipe stash of m
     entries); and the program's copy count does not grow from m = 4 to m = 32."""
     hlo = {m: _compiled(schedule, m).as_text() for m in (4, 32)}
-    heads = _conditional_signatures(hlo[32])
+    heads = conditional_heads(hlo[32])
     assert heads
     m_sized = re.compile(rf"\[32,{ROWS},")
     assert not [h for h in heads if m_sized.search(h)], [h[:300] for h in heads]

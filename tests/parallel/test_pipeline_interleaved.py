@@ -17,27 +17,11 @@ import blox as bx
 from blox import parallel as bp
 from blox.parallel import pipeline_value_and_grad, stack_stages, unstack_stages
 from blox.parallel._schedules import schedule_from
+from tests.parallel.pipeline_common import Counter, conditional_heads
 from tests.tolerances import tol
 
 P, WIDTH, D_IN, CLASSES = 4, 8, 5, 3
 F32 = tol(jnp.float32)
-
-
-class Counter(bx.Module):
-    """Non-trainable state: counts calls and keeps a running mean of its input."""
-
-    def __call__(self, params, h):
-        n, params = self.get_param(
-            params, "calls", (), jax.nn.initializers.zeros, dtype=jnp.int32, trainable=False
-        )
-        mu, params = self.get_param(
-            params, "mean", (h.shape[-1],), jax.nn.initializers.zeros, trainable=False
-        )
-        params = self.set_param(params, "calls", n + 1)
-        params = self.set_param(
-            params, "mean", 0.9 * mu + 0.1 * jnp.mean(h, axis=0).astype(mu.dtype)
-        )
-        return h, params
 
 
 def model(n_stages, dtype=None):
@@ -221,23 +205,6 @@ def compiled(schedule, m, **kw):
     step, args = mlp_step(schedule, m, **kw)
     # As users compile (the suite turns the CPU fusion emitters off; tests/conftest.py).
     return step.lower(*args).compile(compiler_options={"xla_cpu_use_fusion_emitters": True})
-
-
-def conditional_heads(hlo: str) -> list[str]:
-    """The parameter lists of every branch computation of every conditional."""
-    names = set()
-    for line in hlo.splitlines():
-        if " conditional(" in line:
-            found = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if found:
-                names.update(n.strip().lstrip("%") for n in found.group(1).split(","))
-            else:  # true_computation= / false_computation=
-                names.update(re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line))
-    return [
-        line
-        for line in hlo.splitlines()
-        if any(line.lstrip().lstrip("%").startswith(n + " ") for n in names)
-    ]
 
 
 def check_linear_in_m(schedule, **kw):

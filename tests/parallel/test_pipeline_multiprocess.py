@@ -6,15 +6,12 @@ reference); both ranks print the same values. Worker: tests/parallel/pp_worker.p
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.scripts import ROOT
+from tests.scripts import LAUNCH, clean_env, finish, start
 
 pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
@@ -23,7 +20,7 @@ LINE = re.compile(r"^(stage=\d+ params_equal=\w+ grad|loss)=(\S+)$")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOX_")}
+    env = clean_env()
     env.pop("XLA_FLAGS", None)
     env.update(extra)
     return env
@@ -39,24 +36,8 @@ def _values(out: str, tag: str = "") -> dict[str, float]:
 
 def test_two_processes_equal_one_process():
     one_env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    launch = ("-m", "blox.launch", "-n", "2", "--devices-per-process", "4")
-    procs = {
-        "one": subprocess.Popen([sys.executable, WORKER], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=one_env),
-        "two": subprocess.Popen([sys.executable, *launch, WORKER], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env()),
-    }  # fmt: skip
-    outs = {}
-    try:
-        for key, proc in procs.items():
-            out, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0, (key, out[-3000:] + err[-3000:])
-            outs[key] = out
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    launch = (*LAUNCH, "-n", "2", "--devices-per-process", "4")
+    outs = finish({"one": start(WORKER, env=one_env), "two": start(*launch, WORKER, env=_env())})
     ref = _values(outs["one"])
     rank0, rank1 = _values(outs["two"], "[0] "), _values(outs["two"], "[1] ")
     assert len(ref) == 5 and sorted(ref) == sorted(rank0) == sorted(rank1), outs["two"][-3000:]

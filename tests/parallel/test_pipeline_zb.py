@@ -9,12 +9,12 @@ import re
 
 import pytest
 
+from tests.parallel.pipeline_common import conditional_heads
 from tests.parallel.test_pipeline_interleaved import (
     MEMORY,
     check_against_sequential,
     check_linear_in_m,
     compiled,
-    conditional_heads,
     temp_bytes,
 )
 
