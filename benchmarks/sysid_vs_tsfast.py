@@ -108,6 +108,7 @@ VARIANTS = {
     "no_noise": {"noise": 0.0},
     "lr_3e-3": {"lr": 3e-3},
     "lr_2e-2": {"lr": 2e-2},
+    "l1_lr_2e-2": {"loss": "mae", "lr": 2e-2},
     "no_flat": {"pct_start": 0.0},
 }
 VARIANT_TEXT = {
@@ -122,6 +123,7 @@ VARIANT_TEXT = {
     "no_noise": "no input noise",
     "lr_3e-3": "Adam at 3e-3 (TSFast's; blox's default before issue 26's ablation)",
     "lr_2e-2": "Adam at 2e-2",
+    "l1_lr_2e-2": "L1 loss and Adam at 2e-2",
     "no_flat": "cosine decay from the first step (no flat part)",
 }
 # TSFast's side: its documented recipe (benchmarks/_tsfast_driver.py), keyed by these.
