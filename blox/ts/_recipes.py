@@ -33,19 +33,19 @@ class _Recipe(Mapping):
     caller leaves out, as a read-only mapping (see `SYSID_RECIPE`)."""
 
     def __init__(self, values: Mapping[str, Any]) -> None:
-        self._values = MappingProxyType(dict(values))
+        self._settings = MappingProxyType(dict(values))
 
     def __getitem__(self, key: str) -> Any:
-        return self._values[key]
+        return self._settings[key]
 
     def __iter__(self):
-        return iter(self._values)
+        return iter(self._settings)
 
     def __len__(self) -> int:
-        return len(self._values)
+        return len(self._settings)
 
     def __repr__(self) -> str:
-        return f"SYSID_RECIPE({dict(self._values)!r})"
+        return f"SYSID_RECIPE({dict(self._settings)!r})"
 
 
 SYSID_RECIPE: Mapping[str, Any] = _Recipe(
