@@ -321,6 +321,50 @@ def _recipe_tx(
     return adam if clip == 0 else optax.chain(optax.clip_by_global_norm(float(clip)), adam)
 
 
+def _check_batches_arg(batches: Any) -> None:
+    """Refuses an Optax transformation where `fit_sysid` takes its batches (the old
+    positional ``tx``)."""
+    if isinstance(batches, optax.GradientTransformation):
+        raise TypeError(
+            "fit_sysid(model, params, batches, *, tx=None, ...): the third argument is the "
+            "batch iterable and got an Optax transformation; pass the optimizer as tx=... "
+            "(or leave it out for the recipe's)."
+        )
+
+
+def _recipe_choices(loss: str | None, noise: float | None, select: str | None):
+    """``(loss, noise, select)``: the given ones, the recipe's for those left out."""
+    loss = SYSID_RECIPE["loss"] if loss is None else loss
+    noise = SYSID_RECIPE["noise"] if noise is None else noise
+    select = SYSID_RECIPE["select"] if select is None else select
+    if loss not in _LOSSES:
+        raise ValueError(f"fit_sysid: loss must be one of {_LOSSES}, got {loss!r}.")
+    if select not in _SELECT:
+        raise ValueError(f"fit_sysid: select must be one of {_SELECT}, got {select!r}.")
+    return loss, noise, select
+
+
+def _fit_schedule(steps, epochs, batches_per_epoch, tx, lr, clip, pct_start, eval_every,
+                  log_every, patience):  # fmt: skip
+    """``(total steps, steps per epoch or None, optimizer, eval_every, log_every,
+    patience)``, checked; the recipe's optimizer when `tx` is None."""
+    if tx is not None and (lr, clip, pct_start) != (None, None, None):
+        raise ValueError(
+            f"fit_sysid: tx= replaces the recipe's optimizer; lr={lr!r}, clip={clip!r}, "
+            f"pct_start={pct_start!r} shape only the recipe's: give tx or those, not both."
+        )
+    total, per_epoch = _budget(steps, epochs, batches_per_epoch)
+    if tx is None:
+        tx = _recipe_tx(total, lr, clip, pct_start)
+    if eval_every is None:
+        eval_every = per_epoch if per_epoch is not None else 100
+    eval_every = _positive_int("eval_every", eval_every)
+    log_every = _positive_int("log_every", log_every)
+    if patience is not None:
+        patience = _positive_int("patience", patience)
+    return total, per_epoch, tx, eval_every, log_every, patience
+
+
 def fit_sysid(
     model: Any,
     params: Params,
@@ -421,33 +465,11 @@ def fit_sysid(
         print(fit.best_score, fit.steps_per_s)
         best, last = fit.params, fit.final_params
     """
-    if isinstance(batches, optax.GradientTransformation):
-        raise TypeError(
-            "fit_sysid(model, params, batches, *, tx=None, ...): the third argument is the "
-            "batch iterable and got an Optax transformation; pass the optimizer as tx=... "
-            "(or leave it out for the recipe's)."
-        )
-    loss = SYSID_RECIPE["loss"] if loss is None else loss
-    noise = SYSID_RECIPE["noise"] if noise is None else noise
-    select = SYSID_RECIPE["select"] if select is None else select
-    if loss not in _LOSSES:
-        raise ValueError(f"fit_sysid: loss must be one of {_LOSSES}, got {loss!r}.")
-    if select not in _SELECT:
-        raise ValueError(f"fit_sysid: select must be one of {_SELECT}, got {select!r}.")
-    if tx is not None and (lr, clip, pct_start) != (None, None, None):
-        raise ValueError(
-            f"fit_sysid: tx= replaces the recipe's optimizer; lr={lr!r}, clip={clip!r}, "
-            f"pct_start={pct_start!r} shape only the recipe's: give tx or those, not both."
-        )
-    total, per_epoch = _budget(steps, epochs, batches_per_epoch)
-    if tx is None:
-        tx = _recipe_tx(total, lr, clip, pct_start)
-    if eval_every is None:
-        eval_every = per_epoch if per_epoch is not None else 100
-    eval_every = _positive_int("eval_every", eval_every)
-    log_every = _positive_int("log_every", log_every)
-    if patience is not None:
-        patience = _positive_int("patience", patience)
+    _check_batches_arg(batches)
+    loss, noise, select = _recipe_choices(loss, noise, select)
+    total, per_epoch, tx, eval_every, log_every, patience = _fit_schedule(
+        steps, epochs, batches_per_epoch, tx, lr, clip, pct_start, eval_every, log_every, patience
+    )
     bar = None
     if progress:
         bar = _require("tqdm", "fit_sysid(progress=True)").tqdm(
