@@ -49,7 +49,7 @@ class _Recipe(Mapping):
 
 
 SYSID_RECIPE: Mapping[str, Any] = _Recipe(
-    {"lr": 1e-2, "pct_start": 0.75, "clip": 1.0, "loss": "mse", "noise": 0.02, "select": "best"}
+    {"lr": 2e-2, "pct_start": 0.75, "clip": 1.0, "loss": "mae", "noise": 0.02, "select": "best"}
 )
 """blox's system-identification recipe: what `fit_sysid` uses for each setting the
 caller leaves out (a read-only mapping).
@@ -64,8 +64,8 @@ each value.
 Example::
 
     >>> from blox.ts import SYSID_RECIPE
-    >>> SYSID_RECIPE["lr"]
-    0.01
+    >>> SYSID_RECIPE["lr"], SYSID_RECIPE["loss"]
+    (0.02, 'mae')
 """
 
 

@@ -45,7 +45,7 @@ def test_the_key_holds_every_field_and_the_recipe_hash(bench):
                                        text.encode()).hexdigest()[:12], **fields)  # fmt: skip
     others = [
         bench.run_key("tsfast", "wh", "lstm", 0, **fields),
-        bench.run_key("blox:l1", "wh", "lstm", 0, **fields),
+        bench.run_key("blox:mse", "wh", "lstm", 0, **fields),
         bench.run_key("blox:base", "silverbox", "lstm", 0, **fields),
         bench.run_key("blox:base", "wh", "gru", 0, **fields),
         bench.run_key("blox:base", "wh", "lstm", 1, **fields),
@@ -60,13 +60,13 @@ def test_the_key_holds_every_field_and_the_recipe_hash(bench):
 def test_a_changed_recipe_default_changes_the_key(bench, monkeypatch):
     fields = dict(epochs=10, batches_per_epoch=300, size="default", threads=1)
     before = bench.run_key("blox:base", "wh", "lstm", 0, **fields)
-    l1 = bench.run_key("blox:l1", "wh", "lstm", 0, **fields)
+    mse = bench.run_key("blox:mse", "wh", "lstm", 0, **fields)
     tsfast = bench.run_key("tsfast", "wh", "lstm", 0, **fields)
-    monkeypatch.setitem(bench.RECIPE, "loss", "mae")
+    monkeypatch.setitem(bench.RECIPE, "loss", "mse")
     after = bench.run_key("blox:base", "wh", "lstm", 0, **fields)
     assert after != before
-    # The recipe's new default is what the L1 variant trained: the same run, cached once.
-    assert after == l1
+    # The recipe's new default is what the MSE variant trained: the same run, cached once.
+    assert after == mse
     assert bench.run_key("tsfast", "wh", "lstm", 0, **fields) == tsfast
 
 
@@ -76,11 +76,11 @@ def test_unknown_variant_is_named(bench):
 
 
 def test_jobs_order_then_a_rerun_skips_the_cached_runs(bench, tmp_path):
-    args = _args(variants=["l1", "no_clip"])
+    args = _args(variants=["mse", "no_clip"])
     jobs = bench._jobs(args)
     assert jobs == [("tsfast", "wh", "lstm", 0), ("blox:base", "wh", "lstm", 0),
                     ("tsfast", "wh", "lstm", 1), ("blox:base", "wh", "lstm", 1),
-                    ("blox:l1", "wh", "lstm", 0), ("blox:l1", "wh", "lstm", 1),
+                    ("blox:mse", "wh", "lstm", 0), ("blox:mse", "wh", "lstm", 1),
                     ("blox:no_clip", "wh", "lstm", 0),
                     ("blox:no_clip", "wh", "lstm", 1)]  # fmt: skip
     path = str(tmp_path / "runs" / "results.jsonl")
@@ -90,8 +90,8 @@ def test_jobs_order_then_a_rerun_skips_the_cached_runs(bench, tmp_path):
     cache = bench.load_cache(path)
     assert bench.pending_jobs(jobs, cache, args) == jobs[3:]
     # Another budget or thread count finds none of them.
-    assert bench.pending_jobs(jobs, cache, _args(variants=["l1", "no_clip"], epochs=5)) == jobs
-    assert bench.pending_jobs(jobs, cache, _args(variants=["l1", "no_clip"], threads=2)) == jobs
+    assert bench.pending_jobs(jobs, cache, _args(variants=["mse", "no_clip"], epochs=5)) == jobs
+    assert bench.pending_jobs(jobs, cache, _args(variants=["mse", "no_clip"], threads=2)) == jobs
 
 
 def _record(bench, job, args, **kw):
@@ -121,12 +121,12 @@ def test_the_report_reads_every_cached_seed_of_the_current_recipe(bench, tmp_pat
     path = str(tmp_path / "results.jsonl")
     recs = [("tsfast", 0, args), ("tsfast", 3, args), ("blox:base", 0, args),
             ("blox:base", 1, _args(epochs=1)),  # another budget: left out
-            ("blox:l1", 2, args)]  # fmt: skip
+            ("blox:mse", 2, args)]  # fmt: skip
     for side, seed, a in recs:
         bench.append_cache(path, _record(bench, (side, "wh", "lstm", seed), a))
     got = bench.cached_results(bench.load_cache(path), args)
     assert [(r["side"], r["seed"]) for r in got] == [("tsfast", 0), ("tsfast", 3),
-                                                     ("blox:base", 0), ("blox:l1", 2)]  # fmt: skip
+                                                     ("blox:base", 0), ("blox:mse", 2)]  # fmt: skip
     assert bench.cached_results(bench.load_cache(path), _args(models=["gru"])) == []
 
 
