@@ -1,7 +1,9 @@
 """DP x TP x PP: a small GPT whose stages are `ParallelTransformerBlock`\\ s, pipelined
-over a (data 2, stage 2, model 2) mesh, against the same GPT (plain `TransformerBlock`\\ s,
-the same params) run on one device with ``jax.value_and_grad`` (the reference): loss and
-every gradient per step, over two optimizer steps."""
+over a (data 2, stage 2, model 2) mesh after each schedule family (1F1B, ZB-H1 with its
+split backward, interleaved 1F1B with two chunks per device), against the same GPT
+(plain `TransformerBlock`\\ s, the same params) run on one device with
+``jax.value_and_grad`` (the reference): loss and every gradient per step, over two
+optimizer steps."""
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ from blox import parallel as bp
 VOCAB, WIDTH, HEADS, CONTEXT, BATCH, P = 16, 16, 4, 8, 8, 2
 
 
-def _gpt(parallel: bool):
+def _gpt(parallel: bool, n_stages: int = P):
     g = bx.Graph("lm")
     rng = bx.Rng(g / "rng")
     embed = bx.Embed(g / "embed", VOCAB, WIDTH, rng)
@@ -41,7 +43,8 @@ def _gpt(parallel: bool):
         tokens = jnp.zeros((1, CONTEXT), jnp.int32)
         h, shared = first_fn(rng.seed(bx.Params(), seed=0), tokens)
         shared = last_fn(shared, h, tokens)[1].locked()
-        stages = [stage_fn(srng.seed(bx.Params(), seed=1 + s), h)[1].locked() for s in range(P)]
+        stages = [stage_fn(srng.seed(bx.Params(), seed=1 + s), h)[1].locked()
+                  for s in range(n_stages)]  # fmt: skip
         return stages, shared
 
     return first_fn, stage_fn, last_fn, init
@@ -57,7 +60,7 @@ def _reference_grad(first_fn, stage_fn, last_fn):
     def loss_fn(tr, st_stages, st_sh, x, y):
         tr_stages, tr_sh = tr
         h, shared = first_fn(tr_sh.merge(st_sh), x)
-        for s in range(P):
+        for s in range(len(tr_stages)):
             h, _ = stage_fn(tr_stages[s].merge(st_stages[s]), h)
         return last_fn(shared, h, y)[0]
 
@@ -69,10 +72,10 @@ def _reference_grad(first_fn, stage_fn, last_fn):
     return jax.jit(step)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b"])
-def test_dp_tp_pp_gpt_equals_one_device(schedule):
-    first_fn, ref_stage_fn, last_fn, init = _gpt(parallel=False)
-    _, tp_stage_fn, _, _ = _gpt(parallel=True)
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_dp_tp_pp_gpt_equals_one_device(schedule, v):
+    first_fn, ref_stage_fn, last_fn, init = _gpt(parallel=False, n_stages=v * P)
+    _, tp_stage_fn, _, _ = _gpt(parallel=True, n_stages=v * P)
     stages, shared = init()
     mesh = jax.make_mesh((2, P, 2), ("data", "stage", "model"))
     rules = [*bp.transformer_tp_rules(), ("rng/.*", None)]
@@ -87,11 +90,12 @@ def test_dp_tp_pp_gpt_equals_one_device(schedule):
             first_fn=first_fn,
             data_axis="data",
             stage_specs=specs,
+            virtual_stages=v if v > 1 else None,
         )
     )
     ref = _reference_grad(first_fn, ref_stage_fn, last_fn)
     tx = optax.sgd(0.5)
-    stacked = bp.stack_stages(stages)
+    stacked = bp.stack_stages(stages, virtual_stages=v)
     opt = tx.init((stacked.split()[0], shared.split()[0]))
     ref_stages, ref_shared = stages, shared
     for i in range(2):
@@ -102,7 +106,7 @@ def test_dp_tp_pp_gpt_equals_one_device(schedule):
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
         for a, b in zip(jax.tree.leaves(g_sh), jax.tree.leaves(ref_g_sh), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-        for s, gs in enumerate(bp.unstack_stages(g)):
+        for s, gs in enumerate(bp.unstack_stages(g, virtual_stages=v)):
             for a, b in zip(jax.tree.leaves(gs), jax.tree.leaves(ref_g[s]), strict=True):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
         # one SGD step on both, from their own gradients
