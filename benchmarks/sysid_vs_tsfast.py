@@ -52,14 +52,18 @@ spinning: on the shared 2-core machine at load average 12, one LSTM 1x40 step (b
 64, window 200) took 1,416 ms with 2 torch threads and 188 ms with 1, while the XLA
 step was hardly affected; ``--threads 1`` is the fallback when the machine is shared.
 
-``--ablate`` runs blox's recipe with one change at a time (`VARIANTS`: L1 loss, no
-clipping, both, the final params, torch-like initialization, windows drawn with
-replacement, no linear skip, no input noise, learning rates 3e-3 and 2e-2 around the
-default 1e-2, no flat part of the schedule) at the same budget and seeds, for the
-recipe decisions of issue
-26; ``--variants a,b`` runs the named ones in that order. Every blox run also records
-the test RMSE of its other params (the final ones for the best, and the reverse).
+``--ablate`` runs blox's recipe with one change at a time (`VARIANTS`: no clipping,
+no flat part of the schedule, no input noise, no linear skip, torch-like
+initialization, windows drawn with replacement, the final params, MSE instead of L1,
+Adam at 1e-2 instead of 2e-2, and the earlier recipe MSE at 1e-2 with its own single
+changes) at the same budget and seeds, for the recipe decisions of issue 26;
+``--variants a,b`` runs the named ones in that order. Every blox run also records the
+test RMSE of its other params (the final ones for the best, and the reverse).
 ``--no-tsfast`` runs the blox side only, ``--no-base`` leaves out blox's recipe.
+
+Long queues share the machine; ``--timing FILE`` adds the step and free-run times of
+short runs made alone on a quiet machine (e.g. ``--epochs 1 --batches-per-epoch 50
+--timed-steps 100 --cache FILE``), kept apart from the main cache.
 """
 
 from __future__ import annotations
@@ -480,6 +484,34 @@ def _med(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
+def timing_rows(records: list[dict], args: argparse.Namespace) -> list[list[str]]:
+    """The quiet-machine timing table: per system and model, the median step and free-run
+    time of TSFast's and blox's recipe over `records` (runs of any budget at this size and
+    thread count whose settings are the recipes' now), and blox / TSFast."""
+    want = {side: recipe_hash(recipe_settings(side)) for side in ("tsfast", "blox:base")}
+    rows = []
+    for system in args.systems:
+        for model in args.models:
+            by_side = {
+                side: [r for r in records if r.get("side") == side and r.get("system") == system
+                       and r.get("model") == model and r.get("size") == args.size
+                       and r.get("threads") == args.threads
+                       and recipe_hash(r.get("recipe_settings") or {}) == h]
+                for side, h in want.items()
+            }  # fmt: skip
+            t, b = by_side["tsfast"], by_side["blox:base"]
+            if not (t and b):
+                continue
+            loads = [r["load"][0] for r in t + b if r.get("load")]
+            rows.append([SYSTEM_NAMES[system], MODEL_NAMES[model], f"{len(t)}, {len(b)}",
+                         f"{1e3 * _med(t, 'step_s'):.1f}", f"{1e3 * _med(b, 'step_s'):.1f}",
+                         f"**{_med(b, 'step_s') / _med(t, 'step_s'):.2f}**",
+                         f"{_med(t, 'free_run_s'):.3f}", f"{_med(b, 'free_run_s'):.3f}",
+                         f"**{_med(b, 'free_run_s') / _med(t, 'free_run_s'):.2f}**",
+                         f"{max(loads):.1f}" if loads else ""])  # fmt: skip
+    return rows
+
+
 def render(results: list[dict], args: argparse.Namespace, env: dict, started, command,
            total_s: float) -> tuple[str, str]:  # fmt: skip
     """The docs/benchmarks.md section and the docs/sysid.md table."""
@@ -557,6 +589,18 @@ def render(results: list[dict], args: argparse.Namespace, env: dict, started, co
                                       key=lambda r: r["seed"]))  # fmt: skip
                     seed_rows.append([*name, side, seeds])
     lines += [_timing.format_table(header, rows), ""]
+    timing = timing_rows(getattr(args, "timing_records", []), args)
+    if timing:
+        lines += ["### Step and free-run time on a quiet machine", "",
+                  "The table's times come from the long runs, which shared the machine with "
+                  "other work. These come from short runs of the same recipes (`--timing`: "
+                  "the same model, batch, window and threads; each run alone, the sides "
+                  "alternating), median over runs; the load average is at each run's end.",
+                  "", _timing.format_table(["system", "model", "runs TSFast, blox",
+                                            "step ms TSFast", "step ms blox", "ratio",
+                                            "free run s TSFast", "free run s blox", "ratio",
+                                            "load (1 min) max"], timing),
+                  ""]  # fmt: skip
     if seed_rows:
         lines += ["Each seed's RMSE (seed: RMSE):", "",
                   _timing.format_table(["system", "model", "side", "RMSE per seed"], seed_rows),
@@ -646,6 +690,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="docs/benchmarks.md: write its section")
     parser.add_argument("--sysid-doc", default=None, help="docs/sysid.md: write its table")
     parser.add_argument("--json", default=None, help="write every run's results here")
+    parser.add_argument("--timing", default=None,
+                        help="JSON-lines cache of short timing runs (made with --cache on "
+                        "a quiet machine): the report adds their step and free-run times")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.epochs, args.batches_per_epoch, args.seeds = "tiny", 1, 3, 1
@@ -719,6 +766,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"steps/s, process {wall:.1f} s")  # fmt: skip
     total = time.perf_counter() - t_all
     results = cached_results(cache, args) if args.cache else fresh
+    args.timing_records = list(load_cache(args.timing).values()) if args.timing else []
     report, sysid = render(results, args, env, started, command, total)
     _timing.publish(report, args.out, "sysid_vs_tsfast")
     _timing.log("\n" + sysid)

@@ -137,3 +137,22 @@ def test_an_older_record_without_clipping_keys_as_the_no_clip_variant(bench):
     assert bench.record_key(old) == bench._key_for(("blox:no_clip", "wh", "lstm", 0), args)
     assert bench.record_key(old) != bench._key_for(("blox:base", "wh", "lstm", 0), args)
     assert bench.record_key({"side": "tsfast"}) is None  # lacks the key's fields
+
+
+def test_the_timing_table_takes_the_recipes_runs_of_this_size_and_threads(bench):
+    args = _args(systems=["wh"], models=["lstm", "gru"])
+
+    def rec(side, step, free, **kw):
+        return _record(bench, (side, "wh", "lstm", 0), args, step_s=step, free_run_s=free,
+                       load=[1.5, 1.0, 1.0], **kw)  # fmt: skip
+
+    records = [rec("tsfast", 0.050, 0.040), rec("tsfast", 0.060, 0.030),
+               rec("tsfast", 0.070, 0.050),
+               rec("blox:base", 0.030, 0.010), rec("blox:base", 0.020, 0.014),
+               rec("blox:base", 0.001, 0.001, threads=2),  # other thread count: left out
+               rec("blox:mse", 0.001, 0.001),  # a variant, not the recipe: left out
+               rec("blox:base", 0.001, 0.001, size="tiny")]  # fmt: skip
+    rows = bench.timing_rows(records, args)
+    # One row (LSTM; no GRU runs): medians 60 ms vs 25 ms, 0.040 s vs 0.012 s.
+    assert rows == [["Wiener-Hammerstein-like", "LSTM 1x40", "3, 2", "60.0", "25.0",
+                     "**0.42**", "0.040", "0.012", "**0.30**", "1.5"]]  # fmt: skip
