@@ -690,9 +690,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="docs/benchmarks.md: write its section")
     parser.add_argument("--sysid-doc", default=None, help="docs/sysid.md: write its table")
     parser.add_argument("--json", default=None, help="write every run's results here")
-    parser.add_argument("--timing", default=None,
-                        help="JSON-lines cache of short timing runs (made with --cache on "
-                        "a quiet machine): the report adds their step and free-run times")  # fmt: skip
+    parser.add_argument(
+        "--timing",
+        default=None,
+        help="JSON-lines cache of short timing runs (made with --cache on a quiet "
+        "machine): the report adds their step and free-run times",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.epochs, args.batches_per_epoch, args.seeds = "tiny", 1, 3, 1
