@@ -335,6 +335,15 @@ class _Watch:
         except (OSError, ValueError):
             return None
 
+    def reported_at(self, rank: int) -> float:
+        """When process `rank` reported its exit status (``exit.<rank>``'s modification
+        time in ns; infinity when it has not): of several failures seen in one look the
+        earliest report is the cause, the later ones the peers that lost it."""
+        try:
+            return float(os.stat(os.path.join(self.directory, f"exit.{rank}")).st_mtime_ns)
+        except OSError:
+            return float("inf")
+
     def problem(self, rank: int, code: int | None) -> tuple[int, str] | None:
         """``(exit code, message)`` when process `rank` failed in a way its own exit
         code does not show (`code`: its exit code, None while it runs)."""
@@ -403,7 +412,9 @@ def _supervise(
         # Processes that ended since the last look (50 ms ago): one killed by a signal
         # is taken first, as the cause. Its peers then fail on their own within
         # milliseconds (a collective's connection to it closes), with an exit code.
-        for r, code in sorted(ended.items(), key=lambda rc: (rc[1] >= 0, rc[0])):
+        # Of the others, the one that reported its exit status first.
+        order = sorted(ended.items(), key=lambda rc: (rc[1] >= 0, watch.reported_at(rc[0]), rc[0]))
+        for r, code in order:
             running.discard(r)
             found = watch.problem(r, code) if code == 0 else None
             if code == 0 and found is None:
@@ -416,7 +427,10 @@ def _supervise(
             else:
                 note(text)
         if first_failure is None:
-            for r in sorted(running):
+            # Processes still running that reported a failure (or missed the join): the
+            # earliest report is the cause (a peer's report can be seen while the
+            # process that failed first has not ended yet).
+            for r in sorted(running, key=lambda r: (watch.reported_at(r), r)):
                 if (found := watch.problem(r, None)) is not None:
                     first_failure = (r, found[0])
                     note(f"{found[1]}; stopping the others in {grace:g} s")

@@ -116,6 +116,40 @@ def test_a_failure_during_a_peers_checkpoint_save_ends_the_group(tmp_path, how, 
     assert not any(_alive(p) for p in pids.values()), pids
 
 
+class _FakeProc:
+    """A process the supervisor polls: running for `running` looks, then `code`."""
+
+    def __init__(self, running: int, code: int):
+        self.left, self.code = running, code
+
+    def poll(self):
+        self.left -= 1
+        return None if self.left >= 0 else self.code
+
+
+@pytest.mark.parametrize("ended_together", [False, True])
+def test_the_first_report_is_the_cause_when_the_peers_report_in_the_same_look(
+    tmp_path, ended_together
+):
+    # Process 1 reports exit status 4 and ends; process 0, which lost its collective
+    # partner, reports 1 a moment later. Under load the supervisor can see both reports
+    # in one look, before process 1 has ended (the flaky case of the test above), or
+    # both processes ended at once: either way the group's status is process 1's.
+    (tmp_path / "exit.1").write_text("4")
+    os.utime(tmp_path / "exit.1", ns=(1_000_000_000, 1_000_000_000))
+    (tmp_path / "exit.0").write_text("1")
+    os.utime(tmp_path / "exit.0", ns=(2_000_000_000, 2_000_000_000))
+    looks = 0 if ended_together else 3
+    procs = {0: _FakeProc(looks, 1), 1: _FakeProc(looks, 4)}
+    notes = []
+    watch = launch_module._Watch(str(tmp_path), 2, None)
+    first = launch_module._supervise(
+        procs, 0.0, 0.0, [], notes.append, lambda sig, ranks: None, watch
+    )
+    assert first == (1, 4), notes
+    assert notes[0].startswith("process 1 "), notes
+
+
 # --- item 11: exit_on_error keeps atexit handlers and buffered logs -------------------
 
 
