@@ -111,6 +111,8 @@ VARIANTS = {
     "final": {"select": "final"},
     "mse": {"loss": "mse"},
     "lr_1e-2": {"lr": 1e-2},
+    "lr_5e-3": {"lr": 5e-3},
+    "torch_init_lr_5e-3": {"init": "torch", "lr": 5e-3},
     # The recipe before issue 26's change to L1 at 2e-2, and its single changes (the
     # runs that chose the change; each a variant of today's recipe in two settings).
     "mse_lr_1e-2": {"loss": "mse", "lr": 1e-2},
@@ -129,6 +131,8 @@ VARIANT_TEXT = {
     "final": "the final params instead of the best validation's",
     "mse": "MSE loss (normalized units) instead of L1",
     "lr_1e-2": "Adam at 1e-2",
+    "lr_5e-3": "Adam at 5e-3",
+    "torch_init_lr_5e-3": "PyTorch's default initialization and Adam at 5e-3",
     "mse_lr_1e-2": "MSE at 1e-2 (blox's recipe before L1 at 2e-2)",
     "mse_lr_1e-2_no_clip": "MSE at 1e-2, no gradient clipping",
     "mse_lr_1e-2_no_flat": "MSE at 1e-2, cosine decay from the first step",
@@ -146,8 +150,8 @@ CACHE_VERSION = 1
 def _torch_like_init(params: Any, seed: int) -> Any:
     """PyTorch's default initialization of an ``nn.LSTM``/``nn.GRU`` and ``nn.Linear``:
     every weight ``U(-1/sqrt(fan), 1/sqrt(fan))`` (fan: the hidden size for the cells,
-    the input size for a linear map), and the cell bias the sum of two such vectors
-    (torch's ``bias_ih + bias_hh``)."""
+    the input size for a linear map), and a cell's one bias (LSTM) the sum of two such
+    vectors (torch's ``bias_ih + bias_hh``)."""
     import blox as bx
 
     gen = np.random.default_rng(seed)
@@ -160,7 +164,10 @@ def _torch_like_init(params: Any, seed: int) -> Any:
             kernel = params.value(path[:-1] + ("kernel",))
             k = 1.0 / np.sqrt(np.shape(kernel)[0])
         value = gen.uniform(-k, k, shape)
-        if "rnn" in path and path[-1] == "bias":
+        # a cell with one bias (LSTM) holds torch's bias_ih + bias_hh; GRU's two biases
+        # are torch's two (bias, recurrent_bias)
+        one_bias = path[:-1] + ("recurrent_bias",) not in params
+        if "rnn" in path and path[-1] == "bias" and one_bias:
             value = value + gen.uniform(-k, k, shape)
         out[path] = bx.Param(np.asarray(value, np.float32), trainable=True)
     return out.locked()
