@@ -53,17 +53,20 @@ spinning: on the shared 2-core machine at load average 12, one LSTM 1x40 step (b
 step was hardly affected; ``--threads 1`` is the fallback when the machine is shared.
 
 ``--ablate`` runs blox's recipe with one change at a time (`VARIANTS`: no clipping,
-no flat part of the schedule, no input noise, no linear skip, torch-like
-initialization, windows drawn with replacement, the final params, MSE instead of L1,
-Adam at 1e-2 instead of 2e-2, and the earlier recipe MSE at 1e-2 with its own single
-changes) at the same budget and seeds, for the recipe decisions of issue 26;
+no flat part of the schedule, no input noise, no linear skip, windows drawn with
+replacement, the final params, MSE instead of L1, Adam at 1e-2 or 5e-3 instead of 2e-2,
+blox.nn's LeCun init instead of PyTorch's, and the earlier recipes with blox.nn's init)
+at the same budget and seeds, for the recipe decisions of issue 26;
 ``--variants a,b`` runs the named ones in that order. Every blox run also records the
 test RMSE of its other params (the final ones for the best, and the reverse).
 ``--no-tsfast`` runs the blox side only, ``--no-base`` leaves out blox's recipe.
 
-Long queues share the machine; ``--timing FILE`` adds the step and free-run times of
-short runs made alone on a quiet machine (e.g. ``--epochs 1 --batches-per-epoch 50
---timed-steps 100 --cache FILE``), kept apart from the main cache.
+Several invocations may share one cache, each pinned to its own CPUs (``taskset -c 0
+... & taskset -c 1 ...``): each claims a run before it starts it (`claim_run`), so no
+run is trained twice, and each renders every cached run. Long queues share the
+machine; ``--timing FILE`` adds the step and free-run times of short runs made alone
+on a quiet machine (e.g. ``--epochs 1 --batches-per-epoch 50 --timed-steps 100
+--cache FILE``), kept apart from the main cache.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ HIDDEN, WINDOW, BATCH, N_SKIP, LR = 40, 200, 64, 50, 3e-3
 # The training settings are blox's defaults (`blox.ts.SYSID_RECIPE`, what `fit_sysid`
 # picks when given none); the model and data settings are the benchmark's.
 FIT_KEYS = ("loss", "clip", "noise", "select", "lr", "pct_start")
-RECIPE = dict(linear_skip=True, init="blox", sampling="shuffle",
+RECIPE = dict(linear_skip=True, init="joint", sampling="shuffle",
               **{k: SYSID_RECIPE[k] for k in FIT_KEYS})  # fmt: skip
 VARIANTS = {
     "base": {},
@@ -106,37 +109,42 @@ VARIANTS = {
     "no_flat": {"pct_start": 0.0},
     "no_noise": {"noise": 0.0},
     "no_skip": {"linear_skip": False},
-    "torch_init": {"init": "torch"},
     "replacement": {"sampling": "replacement"},
     "final": {"select": "final"},
     "mse": {"loss": "mse"},
     "lr_1e-2": {"lr": 1e-2},
     "lr_5e-3": {"lr": 5e-3},
-    "torch_init_lr_5e-3": {"init": "torch", "lr": 5e-3},
-    # The recipe before issue 26's change to L1 at 2e-2, and its single changes (the
-    # runs that chose the change; each a variant of today's recipe in two settings).
-    "mse_lr_1e-2": {"loss": "mse", "lr": 1e-2},
-    "mse_lr_1e-2_no_clip": {"loss": "mse", "lr": 1e-2, "clip": 0.0},
-    "mse_lr_1e-2_no_flat": {"loss": "mse", "lr": 1e-2, "pct_start": 0.0},
-    "mse_lr_3e-3": {"loss": "mse", "lr": 3e-3},
+    "torch_init": {"init": "torch"},
+    # Input kernels LeCun over their fan-in F alone ("blox": blox.nn's GRU default before
+    # issue 26; an LSTM's kernel spans [x, h], so for it this is the recipe's own init),
+    # and the runs that chose L1 at 2e-2 with it.
+    "lecun_f_init": {"init": "blox"},
+    "lecun_f_mse": {"init": "blox", "loss": "mse"},
+    "lecun_f_lr_1e-2": {"init": "blox", "lr": 1e-2},
+    "lecun_f_mse_lr_1e-2": {"init": "blox", "loss": "mse", "lr": 1e-2},
+    "lecun_f_mse_lr_1e-2_no_clip": {"init": "blox", "loss": "mse", "lr": 1e-2, "clip": 0.0},
+    "lecun_f_mse_lr_1e-2_no_flat": {"init": "blox", "loss": "mse", "lr": 1e-2, "pct_start": 0.0},
+    "lecun_f_mse_lr_3e-3": {"init": "blox", "loss": "mse", "lr": 3e-3},
 }
 VARIANT_TEXT = {
-    "base": "the documented recipe (L1, Adam at 2e-2)",
+    "base": "the documented recipe (L1, Adam at 2e-2, blox.nn's init)",
     "no_clip": "no gradient clipping",
     "no_flat": "cosine decay from the first step (no flat part)",
     "no_noise": "no input noise",
     "no_skip": "no linear skip",
-    "torch_init": "PyTorch's default initialization (uniform, two bias vectors)",
     "replacement": "windows drawn with replacement (as torch's RandomSampler)",
     "final": "the final params instead of the best validation's",
     "mse": "MSE loss (normalized units) instead of L1",
     "lr_1e-2": "Adam at 1e-2",
     "lr_5e-3": "Adam at 5e-3",
-    "torch_init_lr_5e-3": "PyTorch's default initialization and Adam at 5e-3",
-    "mse_lr_1e-2": "MSE at 1e-2 (blox's recipe before L1 at 2e-2)",
-    "mse_lr_1e-2_no_clip": "MSE at 1e-2, no gradient clipping",
-    "mse_lr_1e-2_no_flat": "MSE at 1e-2, cosine decay from the first step",
-    "mse_lr_3e-3": "MSE at 3e-3 (TSFast's learning rate; blox's first recipe)",
+    "torch_init": "PyTorch's default init (every weight and bias U(+-1/sqrt(H)))",
+    "lecun_f_init": "input kernels LeCun over F alone (blox.nn's GRU before issue 26)",
+    "lecun_f_mse": "LeCun over F, MSE",
+    "lecun_f_lr_1e-2": "LeCun over F, Adam at 1e-2",
+    "lecun_f_mse_lr_1e-2": "LeCun over F, MSE at 1e-2 (the recipe before L1 at 2e-2)",
+    "lecun_f_mse_lr_1e-2_no_clip": "LeCun over F, MSE at 1e-2, no clipping",
+    "lecun_f_mse_lr_1e-2_no_flat": "LeCun over F, MSE at 1e-2, cosine from the first step",
+    "lecun_f_mse_lr_3e-3": "LeCun over F, MSE at 3e-3 (the first recipe; TSFast's rate)",
 }
 # TSFast's side: its documented recipe (benchmarks/_tsfast_driver.py), keyed by these.
 TSFAST_RECIPE = dict(recipe="tsfast-0.5.0-documented", lr=LR, window=WINDOW, batch=BATCH,
@@ -147,29 +155,17 @@ CACHE_VERSION = 1
 # -- the blox side (a worker process) -------------------------------------------------
 
 
-def _torch_like_init(params: Any, seed: int) -> Any:
-    """PyTorch's default initialization of an ``nn.LSTM``/``nn.GRU`` and ``nn.Linear``:
-    every weight ``U(-1/sqrt(fan), 1/sqrt(fan))`` (fan: the hidden size for the cells,
-    the input size for a linear map), and a cell's one bias (LSTM) the sum of two such
-    vectors (torch's ``bias_ih + bias_hh``)."""
+def _lecun_over_f(params: Any) -> Any:
+    """The GRU/RNN input kernels as blox.nn drew them before issue 26 (LeCun normal over
+    the fan-in F alone): today's draw (over F + H) scaled by ``sqrt((F + H) / F)``, the
+    same truncated normal at the other scale. LSTM kernels (over ``[x, h]``) stay."""
     import blox as bx
 
-    gen = np.random.default_rng(seed)
     out = params.unlocked()
     for path, p in params.split()[0].items():
-        shape = np.shape(p.value)
-        if "rnn" in path:
-            k = 1.0 / np.sqrt(HIDDEN)
-        else:  # head (H, Cy) / skip (Cu, Cy): fan_in of the kernel; its bias alike
-            kernel = params.value(path[:-1] + ("kernel",))
-            k = 1.0 / np.sqrt(np.shape(kernel)[0])
-        value = gen.uniform(-k, k, shape)
-        # a cell with one bias (LSTM) holds torch's bias_ih + bias_hh; GRU's two biases
-        # are torch's two (bias, recurrent_bias)
-        one_bias = path[:-1] + ("recurrent_bias",) not in params
-        if "rnn" in path and path[-1] == "bias" and one_bias:
-            value = value + gen.uniform(-k, k, shape)
-        out[path] = bx.Param(np.asarray(value, np.float32), trainable=True)
+        if "rnn" in path and path[-1] == "kernel" and path[:-1] + ("recurrent_kernel",) in params:
+            f = np.shape(p.value)[0]
+            out[path] = bx.Param(p.value * np.float32(np.sqrt((f + HIDDEN) / f)), trainable=True)
     return out.locked()
 
 
@@ -198,9 +194,10 @@ def blox_recipe(files: dict, model_key: str, seed: int, epochs: int, per_epoch: 
     cell, layers = MODELS[model_key]
     graph = bx.Graph("net")
     rng = bx.Rng(graph / "rng")
+    init = "torch" if cfg["init"] == "torch" else "lecun"  # 'blox': rescaled below
     model = RNNModel(graph / cell, stats["u"], stats["y"], rng, hidden_size=HIDDEN,
                      num_layers=layers, cell=cell, linear_skip=cfg["linear_skip"],
-                     n_skip=N_SKIP)  # fmt: skip
+                     n_skip=N_SKIP, init=init)  # fmt: skip
     if cfg["sampling"] == "replacement":
         batches = _with_replacement(train, BATCH, seed)
     else:
@@ -211,8 +208,8 @@ def blox_recipe(files: dict, model_key: str, seed: int, epochs: int, per_epoch: 
     params = rng.seed(bx.Params(), seed=seed)
     _, params = model(params, first["u"])
     params = params.locked()
-    if cfg["init"] == "torch":
-        params = _torch_like_init(params, seed)
+    if cfg["init"] == "blox":
+        params = _lecun_over_f(params)
     # blox's recipe is fit_sysid's defaults: only a variant's changes are passed.
     changed = {k: cfg[k] for k in FIT_KEYS if cfg[k] != SYSID_RECIPE[k]}
     t0 = time.perf_counter()
@@ -393,6 +390,8 @@ def run_key(side: str, system: str, model: str, seed: int, *, epochs: int,
     side as its library only (``'tsfast'`` or ``'blox'``): a blox variant whose settings
     equal another's (e.g. once a default changes) is the same run."""
     settings = recipe_settings(side) if settings is None else settings
+    if model == "lstm" and settings.get("init") == "joint":  # the LSTM's kernel spans [x, h]:
+        settings = dict(settings, init="blox")  # both draw the same kernel (the same run)
     fields = dict(v=CACHE_VERSION, lib=side.split(":", 1)[0], system=system, model=model,
                   seed=int(seed), epochs=int(epochs), batches_per_epoch=int(batches_per_epoch),
                   size=size, threads=int(threads), recipe=recipe_hash(settings))  # fmt: skip
@@ -449,6 +448,37 @@ def append_cache(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def claim_run(cache_path: str, key: str) -> str | None:
+    """Claims the run `key` for this process, so that several invocations sharing one
+    cache (e.g. one pinned to each CPU: ``taskset -c 0 ...`` and ``taskset -c 1 ...``)
+    never train the same run: returns the claim file to remove when the run ends, or
+    None when a live process holds it. A claim whose process has died is taken over."""
+    folder = os.path.abspath(cache_path) + ".claims"
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:16])
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    pid = int(f.read().strip() or 0)
+                os.kill(pid, 0)  # raises if the process is gone
+                return None
+            except (ProcessLookupError, ValueError, FileNotFoundError):
+                try:
+                    os.remove(path)  # a dead holder's claim
+                except FileNotFoundError:
+                    pass
+                continue
+            except PermissionError:  # alive, another user's
+                return None
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return path
+    return None
 
 
 def cached_results(cache: dict[str, dict], args: argparse.Namespace) -> list[dict]:
@@ -622,8 +652,11 @@ def render(results: list[dict], args: argparse.Namespace, env: dict, started, co
                     continue
                 ref = statistics.median(r["rmse"] for r in base)
                 name = [SYSTEM_NAMES[system], MODEL_NAMES[model]]
-                for v in VARIANTS:
-                    g = groups.get((system, model, f"blox:{v}"), [])
+                listed = set()  # a variant that trains the same run as one above (an
+                for v in VARIANTS:  # LSTM's lecun_f_* are its own recipe's runs): once
+                    same = _key_for((f"blox:{v}", system, model, 0), args)
+                    g = [] if same in listed else groups.get((system, model, f"blox:{v}"), [])
+                    listed.add(same)
                     if g:
                         med = statistics.median(r["rmse"] for r in g)
                         best_step = statistics.median(r.get("best_step", 0) for r in g)
@@ -750,9 +783,20 @@ def main(argv: list[str] | None = None) -> None:
         for k, job in enumerate(todo, 1):
             side, system, model, seed = job
             pred = os.path.join(tmp, f"pred_{k}.npy")
+            claim = None
+            if args.cache:  # another invocation may have run it, or be running it
+                if _key_for(job, args) in load_cache(args.cache):
+                    continue
+                claim = claim_run(args.cache, _key_for(job, args))
+                if claim is None:
+                    _timing.log(f"[{k}/{len(todo)}] {side} {system} {model} seed {seed}: "
+                                "running in another process")  # fmt: skip
+                    continue
             try:
                 res, wall = _run_child(_command(job, data, args, pred), cpus, args.threads)
             except RuntimeError as e:  # one failed run must not end a long queue
+                if claim:
+                    os.remove(claim)
                 if not args.keep_going:
                     raise
                 _timing.log(f"[{k}/{len(todo)}] {side} {system} {model} seed {seed} FAILED: {e}")
@@ -768,6 +812,7 @@ def main(argv: list[str] | None = None) -> None:
             res["threads"] = args.threads
             if args.cache:
                 append_cache(args.cache, res)
+                os.remove(claim)
             cache[_key_for(job, args)] = res
             fresh.append(res)
             _timing.log(f"[{k}/{len(todo)}] {side} {system} {model} seed {seed}: RMSE "
@@ -775,6 +820,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"{res['free_run_s']:.3f} s, loop {res['loop_steps_per_s']:.1f} "
                         f"steps/s, process {wall:.1f} s")  # fmt: skip
     total = time.perf_counter() - t_all
+    if args.cache:  # with the runs other invocations added meanwhile
+        cache = {**cache, **load_cache(args.cache)}
     results = cached_results(cache, args) if args.cache else fresh
     args.timing_records = list(load_cache(args.timing).values()) if args.timing else []
     report, sysid = render(results, args, env, started, command, total)

@@ -43,8 +43,16 @@ __all__ = [
     "Bidirectional",
 ]
 
-_default_kernel_init = jax.nn.initializers.lecun_normal()
 _default_bias_init = jax.nn.initializers.zeros
+
+
+def joint_lecun_normal(features: int, hidden_size: int) -> Callable:
+    """The default input-kernel initializer of the split cells: LeCun normal over the
+    joint fan-in ``F + H`` (variance ``1 / (F + H)``), the scale `LSTM`'s one kernel over
+    ``[x, h]`` gets. Each gate's pre-activation sums F input and H recurrent terms; LeCun
+    over F alone starts a cell on one input channel at standard deviation 1."""
+    scale = features / (features + hidden_size)
+    return jax.nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal")
 
 
 class GRUState(NamedTuple):
@@ -102,7 +110,7 @@ class _GatedCell(CellBase):
     ):
         super().__init__(graph, hidden_size, is_static, dtype=dtype, param_dtype=param_dtype)
         self.rng = rng
-        self.kernel_init = kernel_init or _default_kernel_init
+        self.kernel_init = kernel_init  # None: joint_lecun_normal(F, H), F known at call
         self.recurrent_kernel_init = recurrent_kernel_init or orthogonal_per_gate(self._GATES)
         self.bias_init = bias_init or _default_bias_init
 
@@ -122,7 +130,8 @@ class _GatedCell(CellBase):
         return weights
 
     def _weights(self, params: Params, features: int) -> tuple[tuple[jax.Array, ...], Params]:
-        inits = {"kernel": self.kernel_init, "recurrent_kernel": self.recurrent_kernel_init}
+        kernel_init = self.kernel_init or joint_lecun_normal(features, self.hidden_size)
+        inits = {"kernel": kernel_init, "recurrent_kernel": self.recurrent_kernel_init}
         weights = []
         for w in self._stored_weights(features):
             name = w.path[-1]
@@ -169,7 +178,8 @@ _SHARED_ARGS = """
       rng: the `Rng` for initialization.
       is_static: `apply` uses a Python loop (``True``) or ``lax.scan`` (``False``);
         both give the same numbers.
-      kernel_init: for ``kernel`` (default LeCun normal, fan-in F).
+      kernel_init: for ``kernel`` (default LeCun normal over the joint fan-in F + H,
+        `joint_lecun_normal`: the scale of `LSTM`'s kernel over ``[x, h]``).
       recurrent_kernel_init: for ``recurrent_kernel`` (default: an independent
         orthogonal ``(H, H)`` block per gate, `orthogonal_per_gate`).
       bias_init: for the biases (default zeros).

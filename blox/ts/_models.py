@@ -55,6 +55,38 @@ def check_sequence(where: str, name: str, x: ArrayLike, channels: int) -> jax.Ar
     return a
 
 
+INITS = ("torch", "lecun")
+
+
+def torch_uniform(bound: float, terms: int = 1) -> Any:
+    """An initializer drawing ``U(-bound, bound)`` (the sum of `terms` independent draws):
+    PyTorch's default for its recurrent cells (``bound = 1 / sqrt(H)`` for every weight
+    and bias; an LSTM's one bias here is torch's ``bias_ih + bias_hh``, two draws) and
+    for ``nn.Linear`` (``bound = 1 / sqrt(fan_in)``, kernel and bias).
+
+    >>> import jax
+    >>> w = torch_uniform(0.5)(jax.random.key(0), (1000,))
+    >>> bool(w.min() >= -0.5 and w.max() <= 0.5)
+    True
+    """
+
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        keys = jax.random.split(key, terms)
+        draws = [jax.random.uniform(k, shape, dtype, -bound, bound) for k in keys]
+        return sum(draws[1:], draws[0])
+
+    return init
+
+
+def check_init(where: str, init: Any) -> str:
+    if init not in INITS:
+        raise ValueError(
+            f"{where}: init must be one of {INITS} (PyTorch's default uniform, or blox.nn's "
+            f"LeCun normal / orthogonal / zeros), got {init!r}."
+        )
+    return init
+
+
 def check_n_skip(where: str, n_skip: Any) -> int:
     if isinstance(n_skip, bool) or not isinstance(n_skip, int) or n_skip < 0:
         raise ValueError(f"{where}: n_skip must be a non-negative int, got {n_skip!r}.")
@@ -177,15 +209,34 @@ class SysIdModel(Module):
         )
 
     def _make_rnn(
-        self, rng: Rng | None, hidden_size: int, num_layers: int, cell: str, is_static: bool
+        self,
+        rng: Rng | None,
+        hidden_size: int,
+        num_layers: int,
+        cell: str,
+        is_static: bool,
+        init: str = "lecun",
     ) -> RNNStack:
         """The `RNNStack` at ``<path>/rnn``, in this model's dtypes."""
         return self._child(
-            RNNStack, "rnn", hidden_size, rng, num_layers=num_layers, cell=cell, is_static=is_static
-        )
+            RNNStack, "rnn", hidden_size, rng, num_layers=num_layers, cell=cell,
+            is_static=is_static, init=init,
+        )  # fmt: skip
 
-    def _output_linear(self, rng: Rng | None, name: str = "head", **kwargs: Any) -> Linear:
-        """A `Linear` at ``<path>/<name>`` to the Cy outputs, in this model's dtypes."""
+    def _output_linear(
+        self,
+        rng: Rng | None,
+        name: str = "head",
+        *,
+        fan_in: int | None = None,
+        init: str = "lecun",
+        **kwargs: Any,
+    ) -> Linear:
+        """A `Linear` at ``<path>/<name>`` to the Cy outputs, in this model's dtypes
+        (``init='torch'``: kernel and bias ``U(+-1/sqrt(fan_in))``, as ``nn.Linear``)."""
+        if init == "torch":
+            bound = 1.0 / float(fan_in) ** 0.5
+            kwargs = dict(kwargs, kernel_init=torch_uniform(bound), bias_init=torch_uniform(bound))
         return self._child(Linear, name, self.num_outputs, rng, **kwargs)
 
     def _zero_rnn_state(self, params: Params, u_t: ArrayLike) -> tuple[Any, Params]:
@@ -199,6 +250,10 @@ class RNNStack(Module):
 
     Shapes: ``[B, T, F]`` -> ``[B, T, H]``; the state is a tuple with one layer state
     per layer. Parameters: ``<path>/layer_<i>/...`` as the chosen cell.
+
+    ``init``: ``'lecun'`` (`blox.nn`'s cell defaults: LeCun-normal input kernels over
+    the joint fan-in F + H, orthogonal recurrent kernels, zero biases) or ``'torch'``
+    (PyTorch's default: every weight and bias ``U(+-1/sqrt(H))``).
     """
 
     def __init__(
@@ -210,10 +265,12 @@ class RNNStack(Module):
         num_layers: int = 1,
         cell: str = "gru",
         is_static: bool = False,
+        init: str = "lecun",
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
     ):
         super().__init__(graph)
+        check_init(f"RNNStack '{self.path_str}'", init)
         if cell not in _CELLS:
             raise ValueError(
                 f"'{self.path_str}': cell must be one of {sorted(_CELLS)}, got {cell!r}."
@@ -224,6 +281,14 @@ class RNNStack(Module):
             )
         self.cell = cell
         self.hidden_size = hidden_size
+        self.init = init
+        inits: dict[str, Any] = {}
+        if init == "torch":
+            bound = 1.0 / float(hidden_size) ** 0.5
+            terms = 2 if cell == "lstm" else 1  # the LSTM's one bias: bias_ih + bias_hh
+            inits = dict(kernel_init=torch_uniform(bound), bias_init=torch_uniform(bound, terms))
+            if cell != "lstm":  # the LSTM's one kernel spans [x, h]
+                inits["recurrent_kernel_init"] = torch_uniform(bound)
         self.layers = [
             _CELLS[cell](
                 graph / f"layer_{i}",
@@ -232,6 +297,7 @@ class RNNStack(Module):
                 is_static=is_static,
                 dtype=dtype,
                 param_dtype=param_dtype,
+                **inits,
             )
             for i in range(num_layers)
         ]
@@ -282,6 +348,11 @@ class RNNModel(SysIdModel):
       linear_skip: add a linear map of the normalized input to the output.
       n_skip: warm-up steps excluded from the loss (the state is still building up).
       is_static: Python-loop scan instead of ``lax.scan`` (same numbers).
+      init: ``'lecun'`` (default: `blox.nn`'s cell and `Linear` defaults, input
+        kernels LeCun normal over the joint fan-in F + H) or ``'torch'`` (PyTorch's: the
+        cells' weights and biases ``U(+-1/sqrt(H))``, the head and skip
+        ``U(+-1/sqrt(fan_in))``, e.g. to compare with a PyTorch model). docs/sysid.md
+        gives the ablation of both.
       dtype, param_dtype: see `SysIdModel`; the recurrent state has the compute dtype.
 
     Returns (``model(params, u, prev_state=None, is_reset=None)``):
@@ -315,15 +386,21 @@ class RNNModel(SysIdModel):
         linear_skip: bool = False,
         n_skip: int = 0,
         is_static: bool = False,
+        init: str = "lecun",
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
     ):
         super().__init__(
             graph, u_stats, y_stats, n_skip=n_skip, dtype=dtype, param_dtype=param_dtype
         )
-        self.rnn = self._make_rnn(rng, hidden_size, num_layers, cell, is_static)
-        self.head = self._output_linear(rng)
-        self.skip = self._output_linear(rng, "skip", use_bias=False) if linear_skip else None
+        self.init = check_init(self._where, init)
+        self.rnn = self._make_rnn(rng, hidden_size, num_layers, cell, is_static, init)
+        self.head = self._output_linear(rng, fan_in=hidden_size, init=init)
+        self.skip = (
+            self._output_linear(rng, "skip", fan_in=self.num_inputs, init=init, use_bias=False)
+            if linear_skip
+            else None
+        )
 
     def initial_state(self, params: Params, u_t: ArrayLike) -> tuple[Any, Params]:
         """``(state, params)``: zeros for every layer, for ``u_t`` ``[B, Cu]``."""

@@ -450,3 +450,28 @@ def test_bidirectional_errors():
         bi(params, x, seq_lengths=[6, 1])
     with pytest.raises(ValueError, match=r"Bidirectional 'net/bi5': prev_state must be a pair"):
         bi(params, x, prev_state=bx.GRUState(jnp.zeros((2, 4))))
+
+
+@pytest.mark.parametrize("kind", CELLS)
+@pytest.mark.parametrize("features", [1, 64])
+def test_default_input_kernel_scale_is_lecun_over_the_joint_fan_in(kind, features):
+    # Closed form: every gate pre-activation sums F input and H recurrent terms; the
+    # input weights start at variance 1 / (F + H) for every cell (the LSTM's one kernel
+    # over [x, h] has it by its shape). LeCun over F alone started a GRU on one input
+    # channel at standard deviation 1, which trained a 2-layer sys-id GRU to about twice
+    # TSFast's error (issue 26).
+    hidden = 256  # one input row holds kH >= 256 draws: the RMS within ~5 %
+    g = bx.Graph("m")
+    rng = bx.Rng(g / "rng")
+    cell = _cell(kind, g / "cell", hidden, rng)
+    _, params = cell.apply(rng.seed(bx.Params(), seed=0), jnp.ones((1, 3, features)))
+    weights = {p[-1] if p[-2] != "gates" else "joint": np.asarray(v.value)
+               for p, v in params.split()[0].items() if p[-1] in ("kernel",)}  # fmt: skip
+    if kind == "LSTM":
+        w = weights["joint"][:features]  # the rows of x in the [x, h] kernel
+    else:
+        w = weights["kernel"]
+    assert w.shape[0] == features
+    rms = np.sqrt(np.mean(w.astype(np.float64) ** 2))
+    np.testing.assert_allclose(rms, 1 / np.sqrt(features + hidden), rtol=0.15)
+    # (LeCun over F alone: 1 / sqrt(F), 16x larger at F = 1, 2.2x at F = 64)

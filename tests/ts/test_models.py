@@ -255,3 +255,56 @@ def test_model_errors():
         ar.simulate(params, u, n_warmup=3)
     with pytest.raises(ValueError, match="must share"):
         ar(params, u, y[:, :5])
+
+
+# -- initialization (issue 26: PyTorch's default, the sys-id recipe's) -----------------
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm", "rnn"])
+def test_torch_init_draws_pytorchs_uniform_bounds(cell):
+    # Closed form: U(-k, k) has max |w| <= k and std k / sqrt(3); the sum of two draws
+    # (the LSTM's one bias, torch's bias_ih + bias_hh) std k * sqrt(2/3).
+    hidden, cu = 64, 3
+    g = bx.Graph("m")
+    rng = bx.Rng(g / "rng")
+    model = RNNModel(g / "net", ([0.0] * cu, [1.0] * cu), Y_STATS, rng, hidden_size=hidden,
+                     num_layers=2, cell=cell, linear_skip=True, init="torch")  # fmt: skip
+    assert model.init == "torch"
+    _, params = model(rng.seed(bx.Params(), seed=0), jnp.ones((1, 4, cu)))
+    k_cell, k_head, k_skip = 1 / np.sqrt(hidden), 1 / np.sqrt(hidden), 1 / np.sqrt(cu)
+    seen = 0
+    for path, p in params.split()[0].items():
+        w = np.asarray(p.value)
+        if "rnn" in path:
+            k = k_cell * (2 if cell == "lstm" and path[-1] == "bias" else 1)
+            std = k_cell * (np.sqrt(2 / 3) if cell == "lstm" and path[-1] == "bias" else 1 / 3**0.5)
+        else:
+            k = k_head if path[-2] == "head" else k_skip
+            std = k / np.sqrt(3)
+        assert np.abs(w).max() <= k + 1e-7, path
+        if w.size >= 1000:  # enough draws for the std within 10 %
+            np.testing.assert_allclose(w.std(), std, rtol=0.1, err_msg=str(path))
+            seen += 1
+    assert seen >= 2  # both layers' kernels
+
+
+def test_lecun_init_keeps_blox_nn_defaults_and_a_bad_init_is_named():
+    # 'lecun' (the default): blox.nn's GRU input kernel is LeCun normal over the joint
+    # fan-in F + H (over F alone one input channel started at std 1, issue 26); the
+    # recurrent kernel orthogonal per gate (each (H, H) block: W^T W = I).
+    hidden = 256
+    g = bx.Graph("m")
+    rng = bx.Rng(g / "rng")
+    model = RNNModel(g / "net", ([0.0], [1.0]), ([0.0], [1.0]), rng, hidden_size=hidden)
+    assert model.init == "lecun"
+    _, params = model(rng.seed(bx.Params(), seed=0), jnp.ones((1, 4, 1)))
+    kernel = np.asarray(params.value(("m", "net", "rnn", "layer_0", "kernel")), np.float64)
+    rec = np.asarray(params.value(("m", "net", "rnn", "layer_0", "recurrent_kernel")))
+    assert kernel.shape == (1, 3 * hidden)
+    np.testing.assert_allclose(np.sqrt(np.mean(kernel**2)), 1 / np.sqrt(1 + hidden), rtol=0.15)
+    for gate in range(3):
+        block = rec[:, gate * hidden : (gate + 1) * hidden]
+        np.testing.assert_allclose(block.T @ block, np.eye(hidden), atol=1e-4)
+    with pytest.raises(ValueError, match=r"RNNModel 'm/bad': init must be one of \('torch', "
+                       r"'lecun'\).*got 'xavier'"):  # fmt: skip
+        RNNModel(g / "bad", ([0.0], [1.0]), ([0.0], [1.0]), rng, init="xavier")

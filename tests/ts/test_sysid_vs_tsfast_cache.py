@@ -38,11 +38,17 @@ def _args(**kw):
 
 def test_the_key_holds_every_field_and_the_recipe_hash(bench):
     fields = dict(epochs=10, batches_per_epoch=300, size="default", threads=1)
-    key = bench.run_key("blox:base", "wh", "lstm", 0, **fields)
+    key = bench.run_key("blox:base", "wh", "gru", 0, **fields)
     text = json.dumps(dict(bench.RECIPE), sort_keys=True, separators=(",", ":"))
     assert json.loads(key) == dict(v=bench.CACHE_VERSION, lib="blox", system="wh",
-                                   model="lstm", seed=0, recipe=hashlib.sha256(
+                                   model="gru", seed=0, recipe=hashlib.sha256(
                                        text.encode()).hexdigest()[:12], **fields)  # fmt: skip
+    # The LSTM's one kernel spans [x, h]: the joint and the F-only LeCun draw are the
+    # same run (one key); for the GRU (split kernels) they differ.
+    lstm = [bench.run_key(f"blox:{v}", "wh", "lstm", 0, **fields) for v in ("base", "lecun_f_init")]
+    assert lstm[0] == lstm[1]
+    assert key != bench.run_key("blox:lecun_f_init", "wh", "gru", 0, **fields)
+    key = lstm[0]
     others = [
         bench.run_key("tsfast", "wh", "lstm", 0, **fields),
         bench.run_key("blox:mse", "wh", "lstm", 0, **fields),
@@ -123,11 +129,11 @@ def test_the_report_reads_every_cached_seed_of_the_current_recipe(bench, tmp_pat
             ("blox:base", 1, _args(epochs=1)),  # another budget: left out
             ("blox:mse", 2, args)]  # fmt: skip
     for side, seed, a in recs:
-        bench.append_cache(path, _record(bench, (side, "wh", "lstm", seed), a))
-    got = bench.cached_results(bench.load_cache(path), args)
+        bench.append_cache(path, _record(bench, (side, "wh", "gru", seed), a))
+    got = bench.cached_results(bench.load_cache(path), _args(seeds=1, models=["gru"]))
     assert [(r["side"], r["seed"]) for r in got] == [("tsfast", 0), ("tsfast", 3),
                                                      ("blox:base", 0), ("blox:mse", 2)]  # fmt: skip
-    assert bench.cached_results(bench.load_cache(path), _args(models=["gru"])) == []
+    assert bench.cached_results(bench.load_cache(path), _args(models=["lstm"])) == []
 
 
 def test_an_older_record_without_clipping_keys_as_the_no_clip_variant(bench):
@@ -156,3 +162,23 @@ def test_the_timing_table_takes_the_recipes_runs_of_this_size_and_threads(bench)
     # One row (LSTM; no GRU runs): medians 60 ms vs 25 ms, 0.040 s vs 0.012 s.
     assert rows == [["Wiener-Hammerstein-like", "LSTM 1x40", "3, 2", "60.0", "25.0",
                      "**0.42**", "0.040", "0.012", "**0.30**", "1.5"]]  # fmt: skip
+
+
+def _read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def test_a_claimed_run_is_not_claimed_again_and_a_dead_claim_is_taken_over(bench, tmp_path):
+    cache = str(tmp_path / "results.jsonl")
+    first = bench.claim_run(cache, "key-a")
+    assert first is not None and _read(first) == str(os.getpid())
+    assert bench.claim_run(cache, "key-a") is None  # held by a live process (this one)
+    assert bench.claim_run(cache, "key-b") not in (None, first)  # another run: its own
+    os.remove(first)
+    dead = bench.claim_run(cache, "key-a")
+    assert dead == first
+    with open(dead, "w") as f:  # a holder that has exited (no such pid)
+        f.write("999999999")
+    assert bench.claim_run(cache, "key-a") == first
+    assert _read(first) == str(os.getpid())
