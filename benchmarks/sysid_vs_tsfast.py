@@ -104,6 +104,11 @@ HIDDEN, WINDOW, BATCH, N_SKIP, LR = 40, 200, 64, 50, 3e-3
 FIT_KEYS = ("loss", "clip", "noise", "select", "lr", "pct_start")
 RECIPE = dict(linear_skip=True, init="joint", sampling="shuffle",
               **{k: SYSID_RECIPE[k] for k in FIT_KEYS})  # fmt: skip
+# TSFast's recipe on blox (PyTorch's init, Adam at 3e-3, no noise, no clipping, no skip,
+# the final params, windows with replacement): equal to TSFast's own runs unless the
+# libraries differ beyond their recipes.
+TSFAST_ON_BLOX = dict(init="torch", lr=3e-3, noise=0.0, clip=0.0, linear_skip=False,
+                      select="final", sampling="replacement")  # fmt: skip
 VARIANTS = {
     "base": {},
     "no_clip": {"clip": 0.0},
@@ -121,41 +126,12 @@ VARIANTS = {
     "fastai_adam": {"adam": "fastai"},
     "fastai_adam_lr_1e-2": {"adam": "fastai", "lr": 1e-2},
     "no_noise_lr_1e-2": {"noise": 0.0, "lr": 1e-2},
-    # TSFast's recipe on blox (PyTorch's init, Adam at 3e-3, no noise, no clipping, no
-    # skip, the final params, windows with replacement): equal to TSFast's own runs
-    # unless the libraries differ beyond their recipes.
-    "tsfast_recipe": {
-        "init": "torch",
-        "lr": 3e-3,
-        "noise": 0.0,
-        "clip": 0.0,
-        "linear_skip": False,
-        "select": "final",
-        "sampling": "replacement",
-    },
+    "tsfast_recipe": TSFAST_ON_BLOX,
     # Outputs and loss in physical units (no output normalization), as TSFast's: a head
     # weight step of lr then moves the output by lr, not lr x the output's std.
-    "tsfast_recipe_raw_y": {
-        "init": "torch",
-        "lr": 3e-3,
-        "noise": 0.0,
-        "clip": 0.0,
-        "linear_skip": False,
-        "select": "final",
-        "sampling": "replacement",
-        "y_units": "raw",
-    },
+    "tsfast_recipe_raw_y": {**TSFAST_ON_BLOX, "y_units": "raw"},
     "raw_y_lr_5e-3": {"y_units": "raw", "lr": 5e-3},
-    "tsfast_recipe_head_x8.7": {
-        "init": "torch",
-        "lr": 3e-3,
-        "noise": 0.0,
-        "clip": 0.0,
-        "linear_skip": False,
-        "select": "final",
-        "sampling": "replacement",
-        "head_lr": 8.7,
-    },
+    "tsfast_recipe_head_x8.7": {**TSFAST_ON_BLOX, "head_lr": 8.7},
     "lr_3e-3_head_x8": {"lr": 3e-3, "head_lr": 8.0},
     "lr_5e-3_head_x5": {"lr": 5e-3, "head_lr": 5.0},
     "torch_init": {"init": "torch"},
