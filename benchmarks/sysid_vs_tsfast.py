@@ -404,7 +404,8 @@ def _datasets(args: argparse.Namespace) -> dict[str, dict]:
 
     out = {}
     for key in args.systems:
-        folder = os.path.join(args.data, f"{SYSTEMS[key]}_{args.size}")
+        # absolute: the runs start from the repository root, not this working directory
+        folder = os.path.join(os.path.abspath(args.data), f"{SYSTEMS[key]}_{args.size}")
         files = make_dataset(SYSTEMS[key], folder, seed=0, size=args.size)
         spec = {"train": files.train, "valid": files.valid, "test": files.test}
         path = os.path.join(folder, "files.json")
