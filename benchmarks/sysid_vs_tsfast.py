@@ -132,6 +132,8 @@ VARIANTS = {
     "tsfast_recipe_raw_y": {**TSFAST_ON_BLOX, "y_units": "raw"},
     "raw_y_lr_5e-3": {"y_units": "raw", "lr": 5e-3},
     "tsfast_recipe_head_x8.7": {**TSFAST_ON_BLOX, "head_lr": 8.7},
+    "tsfast_recipe_head_init": {**TSFAST_ON_BLOX, "head_init": "1/std"},
+    "head_init": {"init": "torch", "head_init": "1/std"},
     "lr_3e-3_head_x8": {"lr": 3e-3, "head_lr": 8.0},
     "lr_5e-3_head_x5": {"lr": 5e-3, "head_lr": 5.0},
     "torch_init": {"init": "torch"},
@@ -164,6 +166,8 @@ VARIANT_TEXT = {
     "tsfast_recipe_raw_y": "TSFast's recipe run by blox, outputs in physical units",
     "raw_y_lr_5e-3": "outputs in physical units, Adam at 5e-3",
     "tsfast_recipe_head_x8.7": "TSFast's recipe by blox, the head at 8.7x (1 / std(y), Silverbox)",
+    "tsfast_recipe_head_init": "TSFast's recipe by blox, the head drawn at raw-unit size",
+    "head_init": "torch init, the head drawn at raw-unit size (x 1 / std(y))",
     "lr_3e-3_head_x8": "Adam at 3e-3, the head and skip at 8x (2.4e-2)",
     "lr_5e-3_head_x5": "Adam at 5e-3, the head and skip at 5x (2.5e-2)",
     "torch_init": "PyTorch's default init (every weight and bias U(+-1/sqrt(H)))",
@@ -182,6 +186,21 @@ CACHE_VERSION = 1
 
 
 # -- the blox side (a worker process) -------------------------------------------------
+
+
+def _scale_head(params: Any, scale: Any, y_stats: Any) -> Any:
+    """The output head's kernel and bias times `scale` (``'1/std'``: one over the
+    output's std, so that a head drawn as PyTorch draws it for raw-unit outputs keeps
+    its raw-unit size in normalized units, as TSFast's does)."""
+    import blox as bx
+
+    std = np.asarray(y_stats[1] if isinstance(y_stats, tuple | list) else y_stats.std)
+    factor = 1.0 / std if scale == "1/std" else np.asarray(float(scale))
+    out = params.unlocked()
+    for path, p in params.split()[0].items():
+        if "head" in path:
+            out[path] = bx.Param(p.value * factor.astype(np.float32), trainable=True)
+    return out.locked()
 
 
 def _lecun_over_f(params: Any) -> Any:
@@ -280,6 +299,8 @@ def blox_recipe(files: dict, model_key: str, seed: int, epochs: int, per_epoch: 
     params = params.locked()
     if cfg["init"] == "blox":
         params = _lecun_over_f(params)
+    if cfg.get("head_init", 1.0) != 1.0:
+        params = _scale_head(params, cfg["head_init"], y_stats)
     # blox's recipe is fit_sysid's defaults: only a variant's changes are passed.
     changed = {k: cfg[k] for k in FIT_KEYS if cfg[k] != SYSID_RECIPE[k]}
     if cfg.get("adam", "optax") == "fastai" or cfg.get("head_lr", 1.0) != 1.0:  # written out
