@@ -58,6 +58,9 @@ no flat part of the schedule, no input noise, no linear skip, windows drawn with
 replacement, the final params, MSE instead of L1, Adam at 1e-2 or 5e-3 instead of 2e-2,
 blox.nn's LeCun init instead of PyTorch's, and the earlier recipes with blox.nn's init)
 at the same budget and seeds, for the recipe decisions of issue 26;
+The GRU gap's diagnostics are variants too: TSFast's recipe run by blox
+(``tsfast_recipe``), with outputs in physical units (``tsfast_recipe_raw_y``), with the
+head's learning rate (``*_head_x*``) or initial size (``*head_init``) at 1 / std(y).
 ``--variants a,b`` runs the named ones in that order. Every blox run also records the
 test RMSE of its other params (the final ones for the best, and the reverse).
 ``--no-tsfast`` runs the blox side only, ``--no-base`` leaves out blox's recipe.
