@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
 import statistics
@@ -90,7 +91,7 @@ import _timing
 import h5py
 import numpy as np
 
-from blox.ts import SYSID_RECIPE
+from blox.ts import SYSID_RECIPE, RNNModel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -105,13 +106,15 @@ HIDDEN, WINDOW, BATCH, N_SKIP, LR = 40, 200, 64, 50, 3e-3
 # The training settings are blox's defaults (`blox.ts.SYSID_RECIPE`, what `fit_sysid`
 # picks when given none); the model and data settings are the benchmark's.
 FIT_KEYS = ("loss", "clip", "noise", "select", "lr", "pct_start")
-RECIPE = dict(linear_skip=True, init="joint", sampling="shuffle",
+# RNNModel's default head_scale (the benchmark's key: head_init)
+HEAD_SCALE = inspect.signature(RNNModel).parameters["head_scale"].default
+RECIPE = dict(linear_skip=True, init="joint", sampling="shuffle", head_init=HEAD_SCALE,
               **{k: SYSID_RECIPE[k] for k in FIT_KEYS})  # fmt: skip
 # TSFast's recipe on blox (PyTorch's init, Adam at 3e-3, no noise, no clipping, no skip,
 # the final params, windows with replacement): equal to TSFast's own runs unless the
 # libraries differ beyond their recipes.
 TSFAST_ON_BLOX = dict(init="torch", lr=3e-3, noise=0.0, clip=0.0, linear_skip=False,
-                      select="final", sampling="replacement")  # fmt: skip
+                      select="final", sampling="replacement", head_init=1.0)  # fmt: skip
 VARIANTS = {
     "base": {},
     "no_clip": {"clip": 0.0},
@@ -137,6 +140,13 @@ VARIANTS = {
     "tsfast_recipe_head_x8.7": {**TSFAST_ON_BLOX, "head_lr": 8.7},
     "tsfast_recipe_head_init": {**TSFAST_ON_BLOX, "head_init": "1/std"},
     "head_init": {"init": "torch", "head_init": "1/std"},
+    # The head drawn larger by a fixed factor (unit-free: LeCun x5 is about the size
+    # TSFast's raw-unit head has in normalized units on the Silverbox-like data).
+    "head_x5_lr_1e-2": {"lr": 1e-2, "head_init": 5.0},
+    "head_x3_lr_1e-2": {"lr": 1e-2, "head_init": 3.0},
+    "head_x5_lr_5e-3": {"lr": 5e-3, "head_init": 5.0},
+    "head_x5_lr_3e-3": {"lr": 3e-3, "head_init": 5.0},
+    "tsfast_recipe_head_x5": {**TSFAST_ON_BLOX, "head_init": 5.0},
     "lr_3e-3_head_x8": {"lr": 3e-3, "head_lr": 8.0},
     "lr_5e-3_head_x5": {"lr": 5e-3, "head_lr": 5.0},
     "torch_init": {"init": "torch"},
@@ -171,6 +181,11 @@ VARIANT_TEXT = {
     "tsfast_recipe_head_x8.7": "TSFast's recipe by blox, the head at 8.7x (1 / std(y), Silverbox)",
     "tsfast_recipe_head_init": "TSFast's recipe by blox, the head drawn at raw-unit size",
     "head_init": "torch init, the head drawn at raw-unit size (x 1 / std(y))",
+    "head_x5_lr_1e-2": "the head drawn 5x larger, Adam at 1e-2",
+    "head_x3_lr_1e-2": "the head drawn 3x larger, Adam at 1e-2",
+    "head_x5_lr_5e-3": "the head drawn 5x larger, Adam at 5e-3",
+    "head_x5_lr_3e-3": "the head drawn 5x larger, Adam at 3e-3",
+    "tsfast_recipe_head_x5": "TSFast's recipe by blox, the head drawn 5x larger",
     "lr_3e-3_head_x8": "Adam at 3e-3, the head and skip at 8x (2.4e-2)",
     "lr_5e-3_head_x5": "Adam at 5e-3, the head and skip at 5x (2.5e-2)",
     "torch_init": "PyTorch's default init (every weight and bias U(+-1/sqrt(H)))",
@@ -287,9 +302,12 @@ def blox_recipe(files: dict, model_key: str, seed: int, epochs: int, per_epoch: 
     init = "torch" if cfg["init"] == "torch" else "lecun"  # 'blox': rescaled below
     # 'raw': the model's outputs (and the loss) in physical units, as TSFast's are
     y_stats = stats["y"] if cfg.get("y_units", "normalized") == "normalized" else ([0.0], [1.0])
+    # head_init: the model's head_scale, or '1/std' (drawn at 1, then scaled below)
+    head = cfg.get("head_init", 1.0)
     model = RNNModel(graph / cell, stats["u"], y_stats, rng, hidden_size=HIDDEN,
                      num_layers=layers, cell=cell, linear_skip=cfg["linear_skip"],
-                     n_skip=N_SKIP, init=init)  # fmt: skip
+                     n_skip=N_SKIP, init=init,
+                     head_scale=1.0 if isinstance(head, str) else head)  # fmt: skip
     if cfg["sampling"] == "replacement":
         batches = _with_replacement(train, BATCH, seed)
     else:
@@ -302,8 +320,8 @@ def blox_recipe(files: dict, model_key: str, seed: int, epochs: int, per_epoch: 
     params = params.locked()
     if cfg["init"] == "blox":
         params = _lecun_over_f(params)
-    if cfg.get("head_init", 1.0) != 1.0:
-        params = _scale_head(params, cfg["head_init"], y_stats)
+    if isinstance(head, str):
+        params = _scale_head(params, head, y_stats)
     # blox's recipe is fit_sysid's defaults: only a variant's changes are passed.
     changed = {k: cfg[k] for k in FIT_KEYS if cfg[k] != SYSID_RECIPE[k]}
     if cfg.get("adam", "optax") == "fastai" or cfg.get("head_lr", 1.0) != 1.0:  # written out
@@ -486,6 +504,8 @@ def run_key(side: str, system: str, model: str, seed: int, *, epochs: int,
     side as its library only (``'tsfast'`` or ``'blox'``): a blox variant whose settings
     equal another's (e.g. once a default changes) is the same run."""
     settings = recipe_settings(side) if settings is None else settings
+    if settings.get("head_init", 1.0) == 1.0:  # the head as drawn: the runs before the key
+        settings = {k: v for k, v in settings.items() if k != "head_init"}
     if model == "lstm" and settings.get("init") == "joint":  # the LSTM's kernel spans [x, h]:
         settings = dict(settings, init="blox")  # both draw the same kernel (the same run)
     fields = dict(v=CACHE_VERSION, lib=side.split(":", 1)[0], system=system, model=model,

@@ -56,6 +56,9 @@ def check_sequence(where: str, name: str, x: ArrayLike, channels: int) -> jax.Ar
 
 
 INITS = ("torch", "lecun")
+HEAD_SCALE = 1.0
+"""`RNNModel`'s default ``head_scale``: its output head drawn at this multiple of the
+init's size (docs/sysid.md gives the ablation)."""
 
 
 def torch_uniform(bound: float, terms: int = 1) -> Any:
@@ -85,6 +88,15 @@ def check_init(where: str, init: Any) -> str:
             f"LeCun normal / orthogonal / zeros), got {init!r}."
         )
     return init
+
+
+def check_head_scale(where: str, scale: Any) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+        raise ValueError(
+            f"{where}: head_scale must be a positive number (the output head's initial "
+            f"size as a multiple of its init's draw, e.g. 1.0), got {scale!r}."
+        )
+    return float(scale)
 
 
 def check_n_skip(where: str, n_skip: Any) -> int:
@@ -230,13 +242,18 @@ class SysIdModel(Module):
         *,
         fan_in: int | None = None,
         init: str = "lecun",
+        scale: float = 1.0,
         **kwargs: Any,
     ) -> Linear:
         """A `Linear` at ``<path>/<name>`` to the Cy outputs, in this model's dtypes
-        (``init='torch'``: kernel and bias ``U(+-1/sqrt(fan_in))``, as ``nn.Linear``)."""
+        (``init='torch'``: kernel and bias ``U(+-1/sqrt(fan_in))``, as ``nn.Linear``),
+        its initial kernel (and torch's bias) `scale` times the init's draw."""
         if init == "torch":
-            bound = 1.0 / float(fan_in) ** 0.5
+            bound = scale / float(fan_in) ** 0.5
             kwargs = dict(kwargs, kernel_init=torch_uniform(bound), bias_init=torch_uniform(bound))
+        elif scale != 1.0:  # LeCun normal at `scale` times its standard deviation
+            kwargs = dict(kwargs, kernel_init=jax.nn.initializers.variance_scaling(
+                scale**2, "fan_in", "truncated_normal"))  # fmt: skip
         return self._child(Linear, name, self.num_outputs, rng, **kwargs)
 
     def _zero_rnn_state(self, params: Params, u_t: ArrayLike) -> tuple[Any, Params]:
@@ -353,6 +370,10 @@ class RNNModel(SysIdModel):
         cells' weights and biases ``U(+-1/sqrt(H))``, the head and skip
         ``U(+-1/sqrt(fan_in))``, e.g. to compare with a PyTorch model). docs/sysid.md
         gives the ablation of both.
+      head_scale: the output head's initial kernel (and with ``init='torch'`` its bias)
+        at this multiple of the init's draw. The outputs are in normalized units, so
+        this is unit-free; a larger head makes each step of the recurrent layers move
+        the output further (docs/sysid.md gives the ablation behind the default).
       dtype, param_dtype: see `SysIdModel`; the recurrent state has the compute dtype.
 
     Returns (``model(params, u, prev_state=None, is_reset=None)``):
@@ -387,6 +408,7 @@ class RNNModel(SysIdModel):
         n_skip: int = 0,
         is_static: bool = False,
         init: str = "lecun",
+        head_scale: float = HEAD_SCALE,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
     ):
@@ -395,7 +417,8 @@ class RNNModel(SysIdModel):
         )
         self.init = check_init(self._where, init)
         self.rnn = self._make_rnn(rng, hidden_size, num_layers, cell, is_static, init)
-        self.head = self._output_linear(rng, fan_in=hidden_size, init=init)
+        self.head_scale = check_head_scale(self._where, head_scale)
+        self.head = self._output_linear(rng, fan_in=hidden_size, init=init, scale=head_scale)
         self.skip = (
             self._output_linear(rng, "skip", fan_in=self.num_inputs, init=init, use_bias=False)
             if linear_skip

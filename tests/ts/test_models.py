@@ -308,3 +308,36 @@ def test_lecun_init_keeps_blox_nn_defaults_and_a_bad_init_is_named():
     with pytest.raises(ValueError, match=r"RNNModel 'm/bad': init must be one of \('torch', "
                        r"'lecun'\).*got 'xavier'"):  # fmt: skip
         RNNModel(g / "bad", ([0.0], [1.0]), ([0.0], [1.0]), rng, init="xavier")
+
+
+@pytest.mark.parametrize("init", ["lecun", "torch"])
+@pytest.mark.parametrize("scale", [1.0, 5.0])
+def test_head_scale_draws_the_head_at_that_multiple(init, scale):
+    # Closed form: LeCun normal over H has std 1 / sqrt(H) (jax's truncated normal is
+    # rescaled to it); PyTorch's nn.Linear U(+-1/sqrt(H)) std 1 / sqrt(3 H); head_scale
+    # multiplies the bound / std. The recurrent layers and the skip do not change.
+    hidden = 1024
+    g = bx.Graph("m")
+    rng = bx.Rng(g / "rng")
+    model = RNNModel(g / "net", ([0.0], [1.0]), Y_STATS, rng, hidden_size=hidden,
+                     linear_skip=True, init=init, head_scale=scale)  # fmt: skip
+    assert model.head_scale == scale
+    _, params = model(rng.seed(bx.Params(), seed=0), jnp.ones((1, 3, 1)))
+    kernel = np.asarray(params.value(("m", "net", "head", "kernel")), np.float64)
+    assert kernel.shape == (hidden, 2)
+    std = scale / np.sqrt(hidden) / (np.sqrt(3) if init == "torch" else 1)
+    np.testing.assert_allclose(kernel.std(), std, rtol=0.08)
+    if init == "torch":  # the bias is nn.Linear's too, at the same bound
+        assert np.abs(kernel).max() <= scale / np.sqrt(hidden) + 1e-7
+        bias = np.asarray(params.value(("m", "net", "head", "bias")))
+        assert np.abs(bias).max() <= scale / np.sqrt(hidden) + 1e-7
+    rec = np.asarray(params.value(("m", "net", "rnn", "layer_0", "recurrent_kernel")))
+    rec_std = 1 / np.sqrt(hidden) / (np.sqrt(3) if init == "torch" else 1)  # orthogonal: 1/sqrt(H)
+    np.testing.assert_allclose(np.sqrt(np.mean(rec**2)), rec_std, rtol=0.1)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, True, "5", float("nan")])
+def test_a_bad_head_scale_is_named(bad):
+    g = bx.Graph("m")
+    with pytest.raises(ValueError, match=r"RNNModel 'm/bad': head_scale must be a positive"):
+        RNNModel(g / "bad", ([0.0], [1.0]), ([0.0], [1.0]), None, head_scale=bad)
