@@ -55,7 +55,8 @@ step was hardly affected; ``--threads 1`` is the fallback when the machine is sh
 
 ``--ablate`` runs blox's recipe with one change at a time (`VARIANTS`: no clipping,
 no flat part of the schedule, no input noise, no linear skip, windows drawn with
-replacement, the final params, MSE instead of L1, Adam at 1e-2 or 5e-3 instead of 2e-2,
+replacement, the final params, MSE instead of L1, Adam at 2e-2 or 5e-3 instead of 1e-2,
+the head drawn at LeCun's own size instead of 5x,
 blox.nn's LeCun init instead of PyTorch's, and the earlier recipes with blox.nn's init)
 at the same budget and seeds, for the recipe decisions of issue 26;
 The GRU gap's diagnostics are variants too: TSFast's recipe run by blox
@@ -77,7 +78,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import inspect
 import json
 import os
 import statistics
@@ -106,8 +106,8 @@ HIDDEN, WINDOW, BATCH, N_SKIP, LR = 40, 200, 64, 50, 3e-3
 # The training settings are blox's defaults (`blox.ts.SYSID_RECIPE`, what `fit_sysid`
 # picks when given none); the model and data settings are the benchmark's.
 FIT_KEYS = ("loss", "clip", "noise", "select", "lr", "pct_start")
-# RNNModel's default head_scale (the benchmark's key: head_init)
-HEAD_SCALE = inspect.signature(RNNModel).parameters["head_scale"].default
+# RNNModel's default head_scale with its default init (the benchmark's key: head_init)
+HEAD_SCALE = RNNModel.DEFAULT_HEAD_SCALE
 RECIPE = dict(linear_skip=True, init="joint", sampling="shuffle", head_init=HEAD_SCALE,
               **{k: SYSID_RECIPE[k] for k in FIT_KEYS})  # fmt: skip
 # TSFast's recipe on blox (PyTorch's init, Adam at 3e-3, no noise, no clipping, no skip,
@@ -124,14 +124,16 @@ VARIANTS = {
     "replacement": {"sampling": "replacement"},
     "final": {"select": "final"},
     "mse": {"loss": "mse"},
-    "lr_1e-2": {"lr": 1e-2},
+    "lr_2e-2": {"lr": 2e-2},
+    "head_x1": {"head_init": 1.0},
+    "lr_2e-2_head_x1": {"lr": 2e-2, "head_init": 1.0},
     "lr_5e-3": {"lr": 5e-3},
     # fastai's Adam defaults (b2 0.99, eps 1e-5, decoupled weight decay 0.01 x lr; TSFast
     # 0.5.0 itself uses torch.optim.Adam's): a key the recipe leaves out, so the base
     # runs keep their hash.
     "fastai_adam": {"adam": "fastai"},
-    "fastai_adam_lr_1e-2": {"adam": "fastai", "lr": 1e-2},
-    "no_noise_lr_1e-2": {"noise": 0.0, "lr": 1e-2},
+    "fastai_adam_lr_1e-2": {"adam": "fastai", "lr": 1e-2, "head_init": 1.0},
+    "no_noise_head_x1": {"noise": 0.0, "head_init": 1.0},
     "tsfast_recipe": TSFAST_ON_BLOX,
     # Outputs and loss in physical units (no output normalization), as TSFast's: a head
     # weight step of lr then moves the output by lr, not lr x the output's std.
@@ -142,13 +144,13 @@ VARIANTS = {
     "head_init": {"init": "torch", "head_init": "1/std"},
     # The head drawn larger by a fixed factor (unit-free: LeCun x5 is about the size
     # TSFast's raw-unit head has in normalized units on the Silverbox-like data).
-    "head_x5_lr_1e-2": {"lr": 1e-2, "head_init": 5.0},
-    "head_x3_lr_1e-2": {"lr": 1e-2, "head_init": 3.0},
-    "head_x5_lr_5e-3": {"lr": 5e-3, "head_init": 5.0},
-    "head_x5_lr_3e-3": {"lr": 3e-3, "head_init": 5.0},
+    "head_x3": {"head_init": 3.0},
+    "lr_3e-3": {"lr": 3e-3},
+    "lr_5e-3_no_noise": {"lr": 5e-3, "noise": 0.0},
+    "lr_5e-3_torch_init": {"lr": 5e-3, "init": "torch"},
     "tsfast_recipe_head_x5": {**TSFAST_ON_BLOX, "head_init": 5.0},
-    "lr_3e-3_head_x8": {"lr": 3e-3, "head_lr": 8.0},
-    "lr_5e-3_head_x5": {"lr": 5e-3, "head_lr": 5.0},
+    "lr_3e-3_head_x8": {"lr": 3e-3, "head_lr": 8.0, "head_init": 1.0},
+    "lr_5e-3_head_x5": {"lr": 5e-3, "head_lr": 5.0, "head_init": 1.0},
     "torch_init": {"init": "torch"},
     # Input kernels LeCun over their fan-in F alone ("blox": blox.nn's GRU default before
     # issue 26; an LSTM's kernel spans [x, h], so for it this is the recipe's own init),
@@ -162,7 +164,10 @@ VARIANTS = {
     "lecun_f_mse_lr_3e-3": {"init": "blox", "loss": "mse", "lr": 3e-3},
 }
 VARIANT_TEXT = {
-    "base": "the documented recipe (L1, Adam at 2e-2, blox.nn's init)",
+    "base": "the documented recipe (L1, Adam at 1e-2, blox.nn's init, head x5)",
+    "lr_2e-2": "Adam at 2e-2 (the recipe before the GRU runs)",
+    "head_x1": "the head at LeCun's size (head_scale 1)",
+    "lr_2e-2_head_x1": "Adam at 2e-2, the head at LeCun's size (the recipe before the GRU)",
     "no_clip": "no gradient clipping",
     "no_flat": "cosine decay from the first step (no flat part)",
     "no_noise": "no input noise",
@@ -170,24 +175,23 @@ VARIANT_TEXT = {
     "replacement": "windows drawn with replacement (as torch's RandomSampler)",
     "final": "the final params instead of the best validation's",
     "mse": "MSE loss (normalized units) instead of L1",
-    "lr_1e-2": "Adam at 1e-2",
     "lr_5e-3": "Adam at 5e-3",
     "fastai_adam": "fastai's Adam (b2 0.99, eps 1e-5, decoupled weight decay 0.01)",
-    "fastai_adam_lr_1e-2": "fastai's Adam at 1e-2",
-    "no_noise_lr_1e-2": "no input noise, Adam at 1e-2",
+    "fastai_adam_lr_1e-2": "fastai's Adam at 1e-2, the head at 1x",
+    "no_noise_head_x1": "no input noise, the head at 1x",
     "tsfast_recipe": "TSFast's recipe run by blox (torch init, 3e-3, no noise/clip/skip)",
     "tsfast_recipe_raw_y": "TSFast's recipe run by blox, outputs in physical units",
     "raw_y_lr_5e-3": "outputs in physical units, Adam at 5e-3",
     "tsfast_recipe_head_x8.7": "TSFast's recipe by blox, the head at 8.7x (1 / std(y), Silverbox)",
     "tsfast_recipe_head_init": "TSFast's recipe by blox, the head drawn at raw-unit size",
     "head_init": "torch init, the head drawn at raw-unit size (x 1 / std(y))",
-    "head_x5_lr_1e-2": "the head drawn 5x larger, Adam at 1e-2",
-    "head_x3_lr_1e-2": "the head drawn 3x larger, Adam at 1e-2",
-    "head_x5_lr_5e-3": "the head drawn 5x larger, Adam at 5e-3",
-    "head_x5_lr_3e-3": "the head drawn 5x larger, Adam at 3e-3",
+    "head_x3": "the head drawn 3x larger",
+    "lr_3e-3": "Adam at 3e-3",
+    "lr_5e-3_no_noise": "Adam at 5e-3, no input noise",
+    "lr_5e-3_torch_init": "Adam at 5e-3, PyTorch's init (the head at 5x)",
     "tsfast_recipe_head_x5": "TSFast's recipe by blox, the head drawn 5x larger",
-    "lr_3e-3_head_x8": "Adam at 3e-3, the head and skip at 8x (2.4e-2)",
-    "lr_5e-3_head_x5": "Adam at 5e-3, the head and skip at 5x (2.5e-2)",
+    "lr_3e-3_head_x8": "Adam at 3e-3, the head at 1x, its and the skip's rate at 8x",
+    "lr_5e-3_head_x5": "Adam at 5e-3, the head at 1x, its and the skip's rate at 5x",
     "torch_init": "PyTorch's default init (every weight and bias U(+-1/sqrt(H)))",
     "lecun_f_init": "input kernels LeCun over F alone (blox.nn's GRU before issue 26)",
     "lecun_f_mse": "LeCun over F, MSE",

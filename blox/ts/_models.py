@@ -56,9 +56,6 @@ def check_sequence(where: str, name: str, x: ArrayLike, channels: int) -> jax.Ar
 
 
 INITS = ("torch", "lecun")
-HEAD_SCALE = 1.0
-"""`RNNModel`'s default ``head_scale``: its output head drawn at this multiple of the
-init's size (docs/sysid.md gives the ablation)."""
 
 
 def torch_uniform(bound: float, terms: int = 1) -> Any:
@@ -371,9 +368,10 @@ class RNNModel(SysIdModel):
         ``U(+-1/sqrt(fan_in))``, e.g. to compare with a PyTorch model). docs/sysid.md
         gives the ablation of both.
       head_scale: the output head's initial kernel (and with ``init='torch'`` its bias)
-        at this multiple of the init's draw. The outputs are in normalized units, so
-        this is unit-free; a larger head makes each step of the recurrent layers move
-        the output further (docs/sysid.md gives the ablation behind the default).
+        at this multiple of the init's draw; default (None) `DEFAULT_HEAD_SCALE` with
+        ``init='lecun'``, 1 with ``'torch'`` (``nn.Linear``'s own). The outputs are in
+        normalized units, so this is unit-free; a larger head makes each step of the
+        recurrent layers move the output further (docs/sysid.md gives the ablation).
       dtype, param_dtype: see `SysIdModel`; the recurrent state has the compute dtype.
 
     Returns (``model(params, u, prev_state=None, is_reset=None)``):
@@ -394,6 +392,11 @@ class RNNModel(SysIdModel):
     ((4, 20, 2), (4, 8))
     """
 
+    DEFAULT_HEAD_SCALE = 5.0
+    """``head_scale`` when none is given with ``init='lecun'``: the head drawn at 5 x
+    LeCun normal, standard deviation ``5 / sqrt(H)`` (docs/sysid.md, "The recipe's
+    defaults", gives the ablation)."""
+
     def __init__(
         self,
         graph: Graph,
@@ -408,7 +411,7 @@ class RNNModel(SysIdModel):
         n_skip: int = 0,
         is_static: bool = False,
         init: str = "lecun",
-        head_scale: float = HEAD_SCALE,
+        head_scale: float | None = None,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
     ):
@@ -417,6 +420,8 @@ class RNNModel(SysIdModel):
         )
         self.init = check_init(self._where, init)
         self.rnn = self._make_rnn(rng, hidden_size, num_layers, cell, is_static, init)
+        if head_scale is None:
+            head_scale = self.DEFAULT_HEAD_SCALE if init == "lecun" else 1.0
         self.head_scale = check_head_scale(self._where, head_scale)
         self.head = self._output_linear(rng, fan_in=hidden_size, init=init, scale=head_scale)
         self.skip = (

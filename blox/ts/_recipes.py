@@ -49,7 +49,7 @@ class _Recipe(Mapping):
 
 
 SYSID_RECIPE: Mapping[str, Any] = _Recipe(
-    {"lr": 2e-2, "pct_start": 0.75, "clip": 1.0, "loss": "mae", "noise": 0.02, "select": "best"}
+    {"lr": 1e-2, "pct_start": 0.75, "clip": 1.0, "loss": "mae", "noise": 0.02, "select": "best"}
 )
 """blox's system-identification recipe: what `fit_sysid` uses for each setting the
 caller leaves out (a read-only mapping).

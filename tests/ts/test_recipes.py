@@ -323,9 +323,9 @@ def _by_hand(model, params, data, tx, *, noise, loss, seed=0):
 def test_fit_without_recipe_arguments_trains_blox_recipe(tmp_path):
     model, params, valid, data = _fit_setup(tmp_path, 6)
     fit = fit_sysid(model, params, iter(data), steps=6, valid=valid, eval_every=3, seed=2)
-    # The recipe by hand: clipping at 1.0, Adam at 2e-2 flat for 75 % then cosine,
+    # The recipe by hand: clipping at 1.0, Adam at 1e-2 flat for 75 % then cosine,
     # L1 in normalized units, input noise 0.02; the best validation's params.
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(_hand_flat_cos(2e-2, 6, 0.75)))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(_hand_flat_cos(1e-2, 6, 0.75)))
     p, losses = _by_hand(model, params, data, tx, noise=0.02, loss="mae", seed=2)
     _assert_same_params(fit.final_params, p)
     np.testing.assert_allclose(fit.losses, losses, rtol=1e-6)
