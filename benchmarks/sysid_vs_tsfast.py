@@ -145,6 +145,7 @@ VARIANTS = {
     # The head drawn larger by a fixed factor (unit-free: LeCun x5 is about the size
     # TSFast's raw-unit head has in normalized units on the Silverbox-like data).
     "head_x3": {"head_init": 3.0},
+    "head_x10": {"head_init": 10.0},
     "lr_3e-3": {"lr": 3e-3},
     "lr_5e-3_no_noise": {"lr": 5e-3, "noise": 0.0},
     "lr_5e-3_torch_init": {"lr": 5e-3, "init": "torch"},
@@ -185,7 +186,8 @@ VARIANT_TEXT = {
     "tsfast_recipe_head_x8.7": "TSFast's recipe by blox, the head at 8.7x (1 / std(y), Silverbox)",
     "tsfast_recipe_head_init": "TSFast's recipe by blox, the head drawn at raw-unit size",
     "head_init": "torch init, the head drawn at raw-unit size (x 1 / std(y))",
-    "head_x3": "the head drawn 3x larger",
+    "head_x3": "the head drawn at 3x",
+    "head_x10": "the head drawn at 10x",
     "lr_3e-3": "Adam at 3e-3",
     "lr_5e-3_no_noise": "Adam at 5e-3, no input noise",
     "lr_5e-3_torch_init": "Adam at 5e-3, PyTorch's init (the head at 5x)",
