@@ -166,7 +166,7 @@ VARIANTS = {
 }
 VARIANT_TEXT = {
     "base": "the documented recipe (L1, Adam at 1e-2, blox.nn's init, head x5)",
-    "lr_2e-2": "Adam at 2e-2 (the recipe before the GRU runs)",
+    "lr_2e-2": "Adam at 2e-2",
     "head_x1": "the head at LeCun's size (head_scale 1)",
     "lr_2e-2_head_x1": "Adam at 2e-2, the head at LeCun's size (the recipe before the GRU)",
     "no_clip": "no gradient clipping",
@@ -212,18 +212,18 @@ CACHE_VERSION = 1
 # -- the blox side (a worker process) -------------------------------------------------
 
 
-def _scale_head(params: Any, scale: Any, y_stats: Any) -> Any:
-    """The output head's kernel and bias times `scale` (``'1/std'``: one over the
-    output's std, so that a head drawn as PyTorch draws it for raw-unit outputs keeps
-    its raw-unit size in normalized units, as TSFast's does)."""
+def _head_at_raw_units(params: Any, y_stats: Any) -> Any:
+    """The output head's kernel and bias times 1 / std(y), so that a head drawn as
+    PyTorch draws it for raw-unit outputs keeps its raw-unit size in normalized units,
+    as TSFast's does (``head_init='1/std'``; a number is `RNNModel`'s ``head_scale``)."""
     import blox as bx
 
     std = np.asarray(y_stats[1] if isinstance(y_stats, tuple | list) else y_stats.std)
-    factor = 1.0 / std if scale == "1/std" else np.asarray(float(scale))
+    factor = (1.0 / std).astype(np.float32)
     out = params.unlocked()
     for path, p in params.split()[0].items():
         if "head" in path:
-            out[path] = bx.Param(p.value * factor.astype(np.float32), trainable=True)
+            out[path] = bx.Param(p.value * factor, trainable=True)
     return out.locked()
 
 
@@ -313,7 +313,7 @@ def blox_recipe(files: dict, model_key: str, seed: int, epochs: int, per_epoch: 
     model = RNNModel(graph / cell, stats["u"], y_stats, rng, hidden_size=HIDDEN,
                      num_layers=layers, cell=cell, linear_skip=cfg["linear_skip"],
                      n_skip=N_SKIP, init=init,
-                     head_scale=1.0 if isinstance(head, str) else head)  # fmt: skip
+                     head_scale=1.0 if head == "1/std" else head)  # fmt: skip
     if cfg["sampling"] == "replacement":
         batches = _with_replacement(train, BATCH, seed)
     else:
@@ -326,8 +326,8 @@ def blox_recipe(files: dict, model_key: str, seed: int, epochs: int, per_epoch: 
     params = params.locked()
     if cfg["init"] == "blox":
         params = _lecun_over_f(params)
-    if isinstance(head, str):
-        params = _scale_head(params, head, y_stats)
+    if head == "1/std":
+        params = _head_at_raw_units(params, y_stats)
     # blox's recipe is fit_sysid's defaults: only a variant's changes are passed.
     changed = {k: cfg[k] for k in FIT_KEYS if cfg[k] != SYSID_RECIPE[k]}
     if cfg.get("adam", "optax") == "fastai" or cfg.get("head_lr", 1.0) != 1.0:  # written out

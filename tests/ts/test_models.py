@@ -315,7 +315,7 @@ def test_lecun_init_keeps_blox_nn_defaults_and_a_bad_init_is_named():
 def test_head_scale_draws_the_head_at_that_multiple(init, scale):
     # Closed form: LeCun normal over H has std 1 / sqrt(H) (jax's truncated normal is
     # rescaled to it); PyTorch's nn.Linear U(+-1/sqrt(H)) std 1 / sqrt(3 H); head_scale
-    # multiplies the bound / std. The recurrent layers and the skip do not change.
+    # multiplies the bound / std. The recurrent layers do not change.
     hidden = 1024
     g = bx.Graph("m")
     rng = bx.Rng(g / "rng")
