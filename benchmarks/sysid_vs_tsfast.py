@@ -53,13 +53,12 @@ spinning: on the shared 2-core machine at load average 12, one LSTM 1x40 step (b
 64, window 200) took 1,416 ms with 2 torch threads and 188 ms with 1, while the XLA
 step was hardly affected; ``--threads 1`` is the fallback when the machine is shared.
 
-``--ablate`` runs blox's recipe with one change at a time (`VARIANTS`: no clipping,
-no flat part of the schedule, no input noise, no linear skip, windows drawn with
-replacement, the final params, MSE instead of L1, Adam at 2e-2 or 5e-3 instead of 1e-2,
-the head drawn at LeCun's own size instead of 5x,
-blox.nn's LeCun init instead of PyTorch's, and the earlier recipes with blox.nn's init)
-at the same budget and seeds, for the recipe decisions of issue 26;
-The GRU gap's diagnostics are variants too: TSFast's recipe run by blox
+``--ablate`` runs blox's recipe with one change at a time (`VARIANTS`: clipping at
+1.0, the schedule flat for 75 % or not at all, no input noise, no linear skip, windows
+drawn with replacement, the final params, MSE instead of L1, Adam at 2e-2, 5e-3 or 3e-3
+instead of 1e-2, the head drawn at 1x, 3x or 5x instead of 10x, PyTorch's init instead
+of blox.nn's, and the earlier recipes) at the same budget and seeds, for the recipe
+decisions of issue 26. The GRU gap's diagnostics are variants too: TSFast's recipe run by blox
 (``tsfast_recipe``), with outputs in physical units (``tsfast_recipe_raw_y``), with the
 head's learning rate (``*_head_x*``) or initial size (``*head_init``) at 1 / std(y).
 ``--variants a,b`` runs the named ones in that order. Every blox run also records the
@@ -69,9 +68,10 @@ test RMSE of its other params (the final ones for the best, and the reverse).
 Several invocations may share one cache, each pinned to its own CPUs (``taskset -c 0
 ... & taskset -c 1 ...``): each claims a run before it starts it (`claim_run`), so no
 run is trained twice, and each renders every cached run. Long queues share the
-machine; ``--timing FILE`` adds the step and free-run times of short runs made alone
-on a quiet machine (e.g. ``--epochs 1 --batches-per-epoch 50 --timed-steps 100
---cache FILE``), kept apart from the main cache.
+machine; ``--timing FILE`` (default ``benchmarks/results/sysid_vs_tsfast_timing.jsonl``)
+adds the step and free-run times of short runs made one at a time on a quiet machine
+(``--seeds 1 --epochs 1 --batches-per-epoch 50 --timed-steps 100 --cache FILE``, one
+queue on one CPU), kept apart from the main cache.
 """
 
 from __future__ import annotations
@@ -117,7 +117,18 @@ TSFAST_ON_BLOX = dict(init="torch", lr=3e-3, noise=0.0, clip=0.0, linear_skip=Fa
                       select="final", sampling="replacement", head_init=1.0)  # fmt: skip
 VARIANTS = {
     "base": {},
-    "no_clip": {"clip": 0.0},
+    # The clipping round (2026-11-29): the recipe before it, and the steps to today's.
+    "clip_1": {"clip": 1.0},
+    "pct_0.75": {"pct_start": 0.75},
+    "head_x5": {"head_init": 5.0},
+    "head_x5_pct_0.75": {"head_init": 5.0, "pct_start": 0.75},
+    "head_x5_pct_0.75_clip_1": {"head_init": 5.0, "pct_start": 0.75, "clip": 1.0},
+    "pct_0.75_lr_5e-3": {"pct_start": 0.75, "lr": 5e-3},
+    "pct_0.75_torch_init": {"pct_start": 0.75, "init": "torch"},
+    "head_x3_pct_0.75": {"head_init": 3.0, "pct_start": 0.75},
+    "head_x5_pct_0.75_lr_2e-2": {"head_init": 5.0, "pct_start": 0.75, "lr": 2e-2},
+    # Single changes from today's recipe (the runs of earlier rounds trained against
+    # the recipe of their day: they stay in the cache, and docs/sysid.md quotes them).
     "no_flat": {"pct_start": 0.0},
     "no_noise": {"noise": 0.0},
     "no_skip": {"linear_skip": False},
@@ -145,7 +156,6 @@ VARIANTS = {
     # The head drawn larger by a fixed factor (unit-free: LeCun x5 is about the size
     # TSFast's raw-unit head has in normalized units on the Silverbox-like data).
     "head_x3": {"head_init": 3.0},
-    "head_x10": {"head_init": 10.0},
     "lr_3e-3": {"lr": 3e-3},
     "lr_5e-3_no_noise": {"lr": 5e-3, "noise": 0.0},
     "lr_5e-3_torch_init": {"lr": 5e-3, "init": "torch"},
@@ -165,11 +175,19 @@ VARIANTS = {
     "lecun_f_mse_lr_3e-3": {"init": "blox", "loss": "mse", "lr": 3e-3},
 }
 VARIANT_TEXT = {
-    "base": "the documented recipe (L1, Adam at 1e-2, blox.nn's init, head x5)",
+    "base": "the documented recipe (L1, Adam at 1e-2 flat for 50 %, no clipping, head x10)",
+    "clip_1": "gradient clipping at global norm 1.0",
+    "pct_0.75": "the schedule flat for 75 % (cosine over the last quarter)",
+    "head_x5": "the head drawn at 5x",
+    "head_x5_pct_0.75": "the head at 5x, flat for 75 % (the GRU round's recipe, no clipping)",
+    "head_x5_pct_0.75_clip_1": "the head at 5x, flat for 75 %, clipping at 1.0 (the GRU round's)",
+    "pct_0.75_lr_5e-3": "flat for 75 %, Adam at 5e-3",
+    "pct_0.75_torch_init": "flat for 75 %, PyTorch's init (the head at 10x)",
+    "head_x3_pct_0.75": "the head at 3x, flat for 75 %",
+    "head_x5_pct_0.75_lr_2e-2": "the head at 5x, flat for 75 %, Adam at 2e-2",
     "lr_2e-2": "Adam at 2e-2",
     "head_x1": "the head at LeCun's size (head_scale 1)",
     "lr_2e-2_head_x1": "Adam at 2e-2, the head at LeCun's size (the recipe before the GRU)",
-    "no_clip": "no gradient clipping",
     "no_flat": "cosine decay from the first step (no flat part)",
     "no_noise": "no input noise",
     "no_skip": "no linear skip",
@@ -187,7 +205,6 @@ VARIANT_TEXT = {
     "tsfast_recipe_head_init": "TSFast's recipe by blox, the head drawn at raw-unit size",
     "head_init": "torch init, the head drawn at raw-unit size (x 1 / std(y))",
     "head_x3": "the head drawn at 3x",
-    "head_x10": "the head drawn at 10x",
     "lr_3e-3": "Adam at 3e-3",
     "lr_5e-3_no_noise": "Adam at 5e-3, no input noise",
     "lr_5e-3_torch_init": "Adam at 5e-3, PyTorch's init (the head at 5x)",
@@ -711,8 +728,8 @@ def render(results: list[dict], args: argparse.Namespace, env: dict, started, co
     header = ["system", "model", "seeds TSFast, blox", "TSFast RMSE", "blox RMSE",
               "blox / TSFast", "step ms TSFast",
               "step ms blox", "ratio", "free run s TSFast", "free run s blox", "ratio",
-              "loop steps/s TSFast", "loop steps/s blox", "process s TSFast",
-              "process s blox"]  # fmt: skip
+              "loop steps/s TSFast", "loop steps/s blox", "process s TSFast (all seeds)",
+              "process s blox (all seeds)"]  # fmt: skip
     rows, seed_rows = [], []
     for system in args.systems:
         for model in args.models:
@@ -854,9 +871,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="write every run's results here")
     parser.add_argument(
         "--timing",
-        default=None,
+        default=os.path.join(HERE, "results", "sysid_vs_tsfast_timing.jsonl"),
         help="JSON-lines cache of short timing runs (made with --cache on a quiet "
-        "machine): the report adds their step and free-run times",
+        "machine): the report adds their step and free-run times (default: the file "
+        "in git, benchmarks/results/sysid_vs_tsfast_timing.jsonl)",
     )
     args = parser.parse_args(argv)
     if args.quick:

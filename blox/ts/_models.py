@@ -392,9 +392,9 @@ class RNNModel(SysIdModel):
     ((4, 20, 2), (4, 8))
     """
 
-    DEFAULT_HEAD_SCALE = 5.0
-    """``head_scale`` when none is given with ``init='lecun'``: the head drawn at 5 x
-    LeCun normal, standard deviation ``5 / sqrt(H)`` (docs/sysid.md, "The recipe's
+    DEFAULT_HEAD_SCALE = 10.0
+    """``head_scale`` when none is given with ``init='lecun'``: the head drawn at 10 x
+    LeCun normal, standard deviation ``10 / sqrt(H)`` (docs/sysid.md, "The recipe's
     defaults", gives the ablation)."""
 
     def __init__(

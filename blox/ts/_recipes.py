@@ -49,7 +49,7 @@ class _Recipe(Mapping):
 
 
 SYSID_RECIPE: Mapping[str, Any] = _Recipe(
-    {"lr": 1e-2, "pct_start": 0.75, "clip": 1.0, "loss": "mae", "noise": 0.02, "select": "best"}
+    {"lr": 1e-2, "pct_start": 0.5, "clip": 0.0, "loss": "mae", "noise": 0.02, "select": "best"}
 )
 """blox's system-identification recipe: what `fit_sysid` uses for each setting the
 caller leaves out (a read-only mapping).
@@ -65,7 +65,7 @@ Example::
 
     >>> from blox.ts import SYSID_RECIPE
     >>> SYSID_RECIPE["lr"], SYSID_RECIPE["loss"]
-    (0.02, 'mae')
+    (0.01, 'mae')
 """
 
 
@@ -396,7 +396,8 @@ def fit_sysid(
     Every recipe setting left out (``None``) is blox's default, `SYSID_RECIPE`
     (docs/sysid.md says which ablation chose each): Adam at ``lr`` on
     `blox.train.flat_cosine_schedule` (flat for ``pct_start`` of the steps, then cosine
-    decay) over the whole budget, after ``optax.clip_by_global_norm(clip)``; the
+    decay) over the whole budget, after ``optax.clip_by_global_norm(clip)`` when
+    ``clip > 0`` (the recipe does not clip); the
     ``loss`` (`sysid_loss`, normalized units), input ``noise`` (`inject_noise`), and
     which params `SysIdFit.params` holds (``select``: the best validation's, or the
     final ones). ``tx=`` replaces the whole optimizer (then `lr`, `clip` and `pct_start`

@@ -82,13 +82,13 @@ def test_unknown_variant_is_named(bench):
 
 
 def test_jobs_order_then_a_rerun_skips_the_cached_runs(bench, tmp_path):
-    args = _args(variants=["mse", "no_clip"])
+    args = _args(variants=["mse", "clip_1"])
     jobs = bench._jobs(args)
     assert jobs == [("tsfast", "wh", "lstm", 0), ("blox:base", "wh", "lstm", 0),
                     ("tsfast", "wh", "lstm", 1), ("blox:base", "wh", "lstm", 1),
                     ("blox:mse", "wh", "lstm", 0), ("blox:mse", "wh", "lstm", 1),
-                    ("blox:no_clip", "wh", "lstm", 0),
-                    ("blox:no_clip", "wh", "lstm", 1)]  # fmt: skip
+                    ("blox:clip_1", "wh", "lstm", 0),
+                    ("blox:clip_1", "wh", "lstm", 1)]  # fmt: skip
     path = str(tmp_path / "runs" / "results.jsonl")
     assert bench.load_cache(path) == {}  # no file yet
     for job in jobs[:3]:
@@ -96,8 +96,8 @@ def test_jobs_order_then_a_rerun_skips_the_cached_runs(bench, tmp_path):
     cache = bench.load_cache(path)
     assert bench.pending_jobs(jobs, cache, args) == jobs[3:]
     # Another budget or thread count finds none of them.
-    assert bench.pending_jobs(jobs, cache, _args(variants=["mse", "no_clip"], epochs=5)) == jobs
-    assert bench.pending_jobs(jobs, cache, _args(variants=["mse", "no_clip"], threads=2)) == jobs
+    assert bench.pending_jobs(jobs, cache, _args(variants=["mse", "clip_1"], epochs=5)) == jobs
+    assert bench.pending_jobs(jobs, cache, _args(variants=["mse", "clip_1"], threads=2)) == jobs
 
 
 def _record(bench, job, args, **kw):
@@ -136,12 +136,13 @@ def test_the_report_reads_every_cached_seed_of_the_current_recipe(bench, tmp_pat
     assert bench.cached_results(bench.load_cache(path), _args(models=["lstm"])) == []
 
 
-def test_an_older_record_without_clipping_keys_as_the_no_clip_variant(bench):
+def test_an_older_record_without_clipping_keys_as_the_recipe_without_clipping(bench):
     args = _args()
-    old = _record(bench, ("blox:no_clip", "wh", "lstm", 0), args)
+    assert bench.RECIPE["clip"] == 0.0  # the recipe does not clip (docs/sysid.md)
+    old = _record(bench, ("blox:base", "wh", "lstm", 0), args)
     old["recipe_settings"] = dict(old["recipe_settings"], clip=None)  # as written before
-    assert bench.record_key(old) == bench._key_for(("blox:no_clip", "wh", "lstm", 0), args)
-    assert bench.record_key(old) != bench._key_for(("blox:base", "wh", "lstm", 0), args)
+    assert bench.record_key(old) == bench._key_for(("blox:base", "wh", "lstm", 0), args)
+    assert bench.record_key(old) != bench._key_for(("blox:clip_1", "wh", "lstm", 0), args)
     assert bench.record_key({"side": "tsfast"}) is None  # lacks the key's fields
 
 
