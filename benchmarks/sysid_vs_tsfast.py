@@ -153,8 +153,8 @@ VARIANTS = {
     "tsfast_recipe_head_x8.7": {**TSFAST_ON_BLOX, "head_lr": 8.7},
     "tsfast_recipe_head_init": {**TSFAST_ON_BLOX, "head_init": "1/std"},
     "head_init": {"init": "torch", "head_init": "1/std"},
-    # The head drawn larger by a fixed factor (unit-free: LeCun x5 is about the size
-    # TSFast's raw-unit head has in normalized units on the Silverbox-like data).
+    # The head drawn at another fixed factor than the recipe's 10x (unit-free: outputs
+    # are normalized; TSFast's raw-unit head is 8.7x on the Silverbox-like data).
     "head_x3": {"head_init": 3.0},
     "lr_3e-3": {"lr": 3e-3},
     "lr_5e-3_no_noise": {"lr": 5e-3, "noise": 0.0},
@@ -207,7 +207,7 @@ VARIANT_TEXT = {
     "head_x3": "the head drawn at 3x",
     "lr_3e-3": "Adam at 3e-3",
     "lr_5e-3_no_noise": "Adam at 5e-3, no input noise",
-    "lr_5e-3_torch_init": "Adam at 5e-3, PyTorch's init (the head at 5x)",
+    "lr_5e-3_torch_init": "Adam at 5e-3, PyTorch's init (the head at 10x)",
     "tsfast_recipe_head_x5": "TSFast's recipe by blox, the head drawn 5x larger",
     "lr_3e-3_head_x8": "Adam at 3e-3, the head at 1x, its and the skip's rate at 8x",
     "lr_5e-3_head_x5": "Adam at 5e-3, the head at 1x, its and the skip's rate at 5x",
