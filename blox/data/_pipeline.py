@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +13,8 @@ from absl import flags
 from blox.data._tbptt import ChunkSplit, tbptt_chunks
 
 __all__ = ["pipeline"]
+
+logger = logging.getLogger("blox.data")
 
 IS_FIRST = "is_first"
 
@@ -157,25 +160,33 @@ class _ClosingIterDataset(grain.IterDataset):
         return "ClosingIterDataset"
 
 
+def _shard_rows(ids: Any, index: int, count: int) -> np.ndarray:
+    """Shard `index` of `count` of an id batch: its `index`-th of `count` equal, contiguous
+    parts (a full batch or a partial one that the pipeline checked splits evenly)."""
+    ids = np.asarray(ids)
+    part = len(ids) // count
+    return ids[index * part : (index + 1) * part]
+
+
 class _ReadRows:
     """Index batch -> this shard's rows, read from the source (picklable)."""
 
-    def __init__(self, source: Any, lo: int, hi: int):
-        self.source, self.lo, self.hi = source, lo, hi
+    def __init__(self, source: Any, index: int, count: int):
+        self.source, self.index, self.count = source, index, count
 
     def __call__(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        return _stack(self.source, np.asarray(ids)[self.lo : self.hi], None, None)
+        return _stack(self.source, _shard_rows(ids, self.index, self.count), None, None)
 
 
 class _ReadChunk:
     """``(ids, k)`` -> chunk k of this shard's rows, with the first-chunk flags."""
 
-    def __init__(self, source: Any, lo: int, hi: int, chunk: int):
-        self.source, self.lo, self.hi, self.chunk = source, lo, hi, chunk
+    def __init__(self, source: Any, index: int, count: int, chunk: int):
+        self.source, self.index, self.count, self.chunk = source, index, count, chunk
 
     def __call__(self, element: tuple[np.ndarray, int]) -> dict[str, np.ndarray]:
         ids, k = element
-        ids = np.asarray(ids)[self.lo : self.hi]
+        ids = _shard_rows(ids, self.index, self.count)
         out = _stack(self.source, ids, k * self.chunk, (k + 1) * self.chunk)
         out[IS_FIRST] = np.full((len(ids),), k == 0)
         return out
@@ -221,12 +232,17 @@ def pipeline(
     of a neighbouring seed (``seed + e`` would make seed 0's second epoch seed 1's first).
 
     **Checked at build time**: item 0 is read once here, so a source that cannot be
-    read fails now, in this process, not in a worker process mid-epoch. With a final
-    partial batch (``len(source) % batch_size != 0``) and ``drop_remainder=False``,
-    ``num_epochs=None`` is refused (a partial batch at every epoch's end is a new shape,
-    so a recompilation of the step every epoch), and so is ``shard_count > 1`` (the
-    processes would get unequal parts, some empty, which
-    ``blox.distributed.global_batch`` refuses): pass ``drop_remainder=True``.
+    read fails now, in this process, not in a worker process mid-epoch.
+
+    **Partial batches**: with ``len(source) % batch_size = p != 0`` and
+    ``drop_remainder=False``, every epoch ends with a batch of ``p`` items, endless
+    pipelines (``num_epochs=None``) included: a jitted step compiles once more for that
+    shape, once in all (``jax.jit`` caches it), not once per epoch. The build logs it
+    once (logger ``'blox.data'``, level INFO). With ``shard_count > 1`` the partial batch
+    is split like a full one, ``p // shard_count`` rows per shard, so it is refused only
+    when ``shard_count`` does not divide ``p`` (the shards would get unequal parts,
+    which ``blox.distributed.global_batch`` refuses): pass ``drop_remainder=True`` there,
+    or a ``batch_size`` whose remainder the shards split evenly.
 
     **Sharding across processes**: ``batch_size`` is the *global* batch; process
     ``shard_index`` of ``shard_count`` reads rows ``[shard_index * b, (shard_index + 1)
@@ -234,8 +250,8 @@ def pipeline(
     together see exactly the batches of a single process, and
     ``jax.make_array_from_process_local_data`` assembles them. Pass
     ``shard_index=jax.process_index(), shard_count=jax.process_count()`` (nothing is
-    read from JAX implicitly). Several shards need full batches: ``drop_remainder=True``,
-    or a ``batch_size`` that divides ``len(source)``.
+    read from JAX implicitly). A final partial batch must split evenly over the shards
+    (see above).
 
     **TBPTT order** (``tbptt_chunk=c``): every item (window of length L) is cut into
     ``K = L // c`` consecutive chunks; a group of ``batch_size`` items gives K batches in
@@ -254,7 +270,7 @@ def pipeline(
       num_epochs: passes over the data; ``None`` repeats forever (step-based
         training: take as many batches as steps).
       drop_remainder: drop a final partial batch (of each epoch); needed when there is
-        one and ``num_epochs=None`` or ``shard_count > 1``.
+        one and ``shard_count`` does not divide its size.
       tbptt_chunk: chunk length for TBPTT order, or ``None``.
       shard_index: this process's shard.
       shard_count: number of shards (processes); must divide ``batch_size``.
@@ -264,7 +280,8 @@ def pipeline(
 
     Returns:
       A ``grain.IterDataset`` of dicts ``{name: [B_local, ...]}`` (plus ``'is_first'``
-      ``[B_local]`` in TBPTT order), ``B_local = batch_size // shard_count``.
+      ``[B_local]`` in TBPTT order), ``B_local = batch_size // shard_count`` (``p //
+      shard_count`` for a final partial batch of ``p``).
 
     >>> import numpy as np
     >>> from blox.data import ArraySource, pipeline
@@ -322,24 +339,28 @@ def pipeline(
     n = len(source)
     if n == 0:
         raise ValueError(f"pipeline: the source {source!r} is empty.")
-    partial = n % batch_size
-    if partial and not drop_remainder and shard_count > 1:
+    partial = 0 if drop_remainder else n % batch_size
+    if partial % shard_count:
         raise ValueError(
             f"pipeline: {n} items leave a final partial batch of {partial} (batch_size="
-            f"{batch_size}) each epoch, which shard_count={shard_count} processes would get "
-            f"as unequal parts (some empty), and blox.distributed.global_batch refuses "
-            "unequal parts. Pass drop_remainder=True (shuffled epochs drop different items), "
-            f"or a global batch_size that divides {n}."
+            f"{batch_size}) each epoch, which shard_count={shard_count} shards would get as "
+            f"unequal parts ({partial} rows do not split into {shard_count} equal parts), "
+            "and blox.distributed.global_batch refuses unequal parts. Pass "
+            "drop_remainder=True (shuffled epochs drop different items), or a global "
+            f"batch_size whose remainder of {n} items is a multiple of {shard_count}."
         )
-    if partial and not drop_remainder and num_epochs is None:
-        raise ValueError(
-            f"pipeline: num_epochs=None with drop_remainder=False ends every epoch with a "
-            f"partial batch of {partial} items ({n} items, batch_size={batch_size}): a new "
-            "shape for the jitted step, so a recompilation every epoch. Pass "
-            f"drop_remainder=True, a batch_size that divides {n}, or a number of epochs."
+    if partial:
+        logger.info(
+            "pipeline: %d items in batches of %d leave a partial batch of %d at the end of "
+            "every epoch%s. A jitted step compiles once more for that shape (once in all, "
+            "not once per epoch); a step that splits its batch over devices needs their "
+            "number to divide %d. Pass drop_remainder=True to drop it.",
+            n,
+            batch_size,
+            partial,
+            f" ({partial // shard_count} rows per shard)" if shard_count > 1 else "",
+            partial,
         )
-    local = batch_size // shard_count
-    lo, hi = shard_index * local, (shard_index + 1) * local
     chunk = num_chunks = None
     if tbptt_chunk is not None:
         num_chunks = tbptt_chunks(source, tbptt_chunk)
@@ -356,10 +377,10 @@ def pipeline(
             "Use a smaller batch_size or drop_remainder=False."
         )
     if chunk is None:
-        ds = ids.map(_ReadRows(source, lo, hi))
+        ds = ids.map(_ReadRows(source, shard_index, shard_count))
     else:
         chunks = grain.experimental.FlatMapMapDataset(ids, ChunkSplit(num_chunks))
-        ds = chunks.map(_ReadChunk(source, lo, hi, chunk))
+        ds = chunks.map(_ReadChunk(source, shard_index, shard_count, chunk))
     if num_epochs != 1:
         ds = ds.repeat(num_epochs)
     it_ds = ds.to_iter_dataset(

@@ -1,6 +1,9 @@
 """TBPTT order (test 4) and per-process shards (test 5)."""
 
+import logging
+
 import grain
+import jax
 import numpy as np
 import pytest
 
@@ -106,11 +109,14 @@ def test_tbptt_errors(tmp_path):
 
 
 @pytest.mark.parametrize("shard_count", [2, 4])
-@pytest.mark.parametrize("n", [22, 24])  # 22: a partial last batch, 24 = 3 full batches
+@pytest.mark.parametrize("n", [22, 24])  # 22: a partial last batch of 6, 24 = 3 full batches
 def test_shards_are_disjoint_and_cover_the_index(shard_count, n):
     batch = 8
     src = ArraySource({"id": np.arange(n), "x": np.arange(n * 3.0).reshape(n, 3)})
-    kw = dict(batch_size=batch, shuffle=True, seed=1, drop_remainder=n % batch != 0)
+    # issue 34 item 11: a partial batch of 6 splits evenly over 2 shards (3 rows each),
+    # not over 4 (refused below): only the uneven case needs drop_remainder.
+    drop = (n % batch) % shard_count != 0
+    kw = dict(batch_size=batch, shuffle=True, seed=1, drop_remainder=drop)
     single = list(pipeline(src, **kw))
     shards = [
         list(pipeline(src, shard_index=s, shard_count=shard_count, **kw))
@@ -125,38 +131,52 @@ def test_shards_are_disjoint_and_cover_the_index(shard_count, n):
         assert len(set(flat)) == len(flat)  # disjoint within the batch
         assert flat == whole["id"].tolist()  # together: the single-process batch, in order
         np.testing.assert_array_equal(np.concatenate([p["x"] for p in parts]), whole["x"])
-        assert all(len(i) == batch // shard_count for i in ids)  # equal parts, always
+        assert all(len(i) == len(whole["id"]) // shard_count for i in ids)  # equal parts
         seen += flat
     assert len(seen) == len(set(seen))  # no window read twice in an epoch
     assert sorted(seen) == sorted(np.concatenate([b["id"] for b in single]).tolist())
-    assert len(seen) == n - n % batch
-    if n % batch == 0:
+    assert len(seen) == (n - n % batch if drop else n)
+    if not drop:
         assert sorted(seen) == list(range(n))  # every window
 
 
-@pytest.mark.parametrize("num_epochs", [1, None])
-def test_partial_batch_refused_for_shards_and_endless_epochs(num_epochs):
-    # issue 22 item 13: shards of a partial batch would be unequal ([4, 2] or [4, 0]),
-    # which blox.distributed.global_batch rejects; issue 23 item 10: an endless pipeline
-    # with a partial batch per epoch recompiles the step every epoch.
+@pytest.mark.parametrize("num_epochs", [2, None])
+def test_partial_batch_allowed_unless_shards_would_get_unequal_parts(num_epochs, caplog):
+    # issue 34 item 11: an endless pipeline keeps its partial batch (jax.jit compiles that
+    # shape once, not once per epoch); issue 22 item 13's refusal stays where it is real:
+    # a partial batch of 6 over 4 shards would be unequal parts ([2, 2, 2, 0] or so).
     n, batch = 22, 8
     src = ArraySource({"id": np.arange(n)})
     kw = dict(batch_size=batch, shuffle=True, seed=1, num_epochs=num_epochs)
-    with pytest.raises(ValueError, match=r"partial batch of 6.*drop_remainder=True"):
-        pipeline(src, shard_index=0, shard_count=2, **kw)
-    with pytest.raises(ValueError, match=r"global_batch refuses.*drop_remainder=True"):
+    with pytest.raises(ValueError, match=r"partial batch of 6 .* shard_count=4 shards .*"
+                       r"unequal parts.*drop_remainder=True"):  # fmt: skip
         pipeline(src, shard_index=1, shard_count=4, **kw)
-    if num_epochs is None:
-        with pytest.raises(ValueError, match=r"num_epochs=None with drop_remainder=False.*6"):
-            pipeline(src, **kw)
-    else:  # one process, finite epochs: the partial batch is allowed
-        assert [len(b["id"]) for b in pipeline(src, **kw)] == [8, 8, 6]
-    # the fix the messages name gives equal parts, and full batches need no drop
-    fixed = _take(pipeline(src, shard_index=1, shard_count=2, drop_remainder=True, **kw), 2)
-    assert [len(b["id"]) for b in fixed] == [4, 4]
-    even = ArraySource({"id": np.arange(24)})
-    parts = [_take(pipeline(even, shard_index=s, shard_count=2, **kw), 3) for s in (0, 1)]
-    assert [len(b["id"]) for p in parts for b in p] == [4] * 6
+    with caplog.at_level(logging.INFO, logger="blox.data"):
+        ds = pipeline(src, **kw)
+    notes = [r.getMessage() for r in caplog.records if r.name == "blox.data"]
+    assert len(notes) == 1 and "partial batch of 6 at the end of every epoch" in notes[0]
+    assert caplog.records[0].levelno == logging.INFO  # a log line, not a warning
+    got = _take(ds, 6)
+    assert [len(b["id"]) for b in got] == [8, 8, 6, 8, 8, 6]
+    # each epoch is the permutation Grain's index shuffle gives with its epoch seed
+    for e in range(2):
+        s = 1 if e == 0 else int(np.random.SeedSequence([1, e]).generate_state(1)[0])
+        shuffled = grain.MapDataset.range(n).shuffle(seed=s)
+        ids = np.concatenate([b["id"] for b in got[3 * e : 3 * e + 3]])
+        assert ids.tolist() == [int(shuffled[i]) for i in range(n)]
+    # jax.jit caches the partial shape: two compiles over two epochs, not one per epoch
+    traces = []
+    step = jax.jit(lambda x: (traces.append(x.shape), x.sum())[1])
+    for b in got:
+        step(b["id"])
+    assert traces == [(8,), (6,)]
+    # over 2 shards the 6 rows split 3 + 3: together the single-process batches, in order
+    parts = [_take(pipeline(src, shard_index=s, shard_count=2, **kw), 6) for s in (0, 1)]
+    for b, whole in enumerate(got):
+        assert [len(p[b]["id"]) for p in parts] == [len(whole["id"]) // 2] * 2
+        assert np.concatenate([p[b]["id"] for p in parts]).tolist() == whole["id"].tolist()
+    fixed = _take(pipeline(src, shard_index=1, shard_count=4, drop_remainder=True, **kw), 3)
+    assert [len(b["id"]) for b in fixed] == [2, 2, 2]  # the fix the message names
 
 
 def test_hdf5_shards_read_only_their_rows(tmp_path):
