@@ -2,7 +2,7 @@
 specs and every collective; blox validates and helps, and never partitions anything
 behind the user's back.
 
-* Mesh: `make_mesh`, `describe_mesh`, `bound_axes`.
+* Mesh: `make_mesh`, `describe_mesh`, `bound_axes`; moving arrays: `place`.
 * Rules (path pattern -> per-dimension axes): `param_specs`, `param_shardings`,
   `opt_state_specs`, `opt_state_shardings`, `sharding_table`, `transformer_tp_rules`.
 * Checked collectives over pytrees: `psum`, `pmean`, `all_gather`, `reduce_scatter`,
@@ -36,6 +36,7 @@ from blox.parallel._fsdp import make_fsdp_train_step as make_fsdp_train_step
 from blox.parallel._mesh import bound_axes as bound_axes
 from blox.parallel._mesh import describe_mesh as describe_mesh
 from blox.parallel._mesh import make_mesh as make_mesh
+from blox.parallel._mesh import place as place
 from blox.parallel._pipeline import pipeline_value_and_grad as pipeline_value_and_grad
 from blox.parallel._pipeline import stack_stages as stack_stages
 from blox.parallel._pipeline import unstack_stages as unstack_stages

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["bound_axes", "describe_mesh", "make_mesh"]
+__all__ = ["bound_axes", "describe_mesh", "make_mesh", "place"]
 
 _AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 
@@ -242,3 +242,105 @@ def constrain(x: Any, mesh: Mesh, spec: PartitionSpec) -> Any:
     if all(n in explicit for n in (names or types)):
         return jax.sharding.reshard(x, NamedSharding(mesh, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+# ---------------------------------------------------------------------------
+# Moving a pytree between devices and meshes
+# ---------------------------------------------------------------------------
+
+
+def _target_sharding(target: Any) -> jax.sharding.Sharding:
+    if isinstance(target, Mesh):
+        return NamedSharding(target, PartitionSpec())
+    if isinstance(target, jax.sharding.Sharding):
+        return target
+    if isinstance(target, jax.Device):
+        return jax.sharding.SingleDeviceSharding(target)
+    raise TypeError(
+        f"place: target must be a jax.Device, a jax.sharding.Sharding or a Mesh (replicated "
+        f"over it), got {type(target).__name__}. E.g. bp.place(params, jax.devices()[0]) or "
+        "bp.place(batch, NamedSharding(mesh, P('data')))."
+    )
+
+
+def _whole(x: jax.Array, device: Any, name: str) -> Any:
+    """`x` as one single-device array holding its whole value, with no mesh in its type
+    (a shard of a replicated copy: no host round trip)."""
+    if not x.is_fully_addressable:
+        raise ValueError(
+            f"place: leaf {name} spans devices of other processes ({len(x.sharding.device_set)} "
+            "devices); one process cannot move it onto one device. Gather it first, e.g. "
+            "jax.experimental.multihost_utils.process_allgather(x)."
+        )
+    if not x.is_fully_replicated:
+        sharding = x.sharding
+        if isinstance(sharding, NamedSharding):
+            x = jax.device_put(x, NamedSharding(sharding.mesh, PartitionSpec()))
+        else:
+            return np.asarray(x)  # another kind of sharding: via the host
+    shards = x.addressable_shards
+    local = next((s for s in shards if s.device == device), shards[0])
+    return local.data
+
+
+def place(tree: Any, target: Any) -> Any:
+    """Every array of `tree` (params, optimizer state, a rollout, a batch) moved onto
+    `target`: one device, a ``Sharding``, or a ``Mesh`` (replicated over it).
+
+    Use it instead of ``jax.device_put(tree, device)`` to take arrays off a mesh, e.g.
+    the learner's params to an actor's device. JAX 0.10's ``device_put`` of an array
+    laid out on a mesh with Explicit axes (blox's default) onto one device keeps that
+    mesh in the array's type: it prints as single-device, and the next ``jax.jit``
+    fails with "Length of device assignment 1 is not equal to the size of the mesh ...
+    enter your jit into a mesh context via jax.set_mesh", which does not help. `place`
+    gives each leaf a single-device array with no mesh in its type (the whole value,
+    copied from the local shard of a replicated layout, gathered first if sharded), then
+    ``device_put``s it on `target`. Onto a mesh sharding (a rollout into a data-parallel
+    step) it is ``jax.device_put`` of those arrays.
+
+    Args:
+      tree: any pytree of arrays (``jax.Array``, NumPy, Python scalars); `Params` keep
+        their paths, flags and metadata.
+      target: a ``jax.Device``, a ``jax.sharding.Sharding`` (e.g. ``NamedSharding(mesh,
+        P('data'))`` for a batch) or a ``Mesh`` (every leaf replicated, ``P()``).
+
+    Returns:
+      The same tree with every leaf on `target`.
+
+    Raises:
+      TypeError: a `target` of another type.
+      ValueError: a leaf that spans devices of other processes (naming it).
+
+    >>> import jax, jax.numpy as jnp, blox as bx
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from blox import parallel as bp
+    >>> mesh = bp.make_mesh((4,), ('data',), devices=jax.devices()[:4])
+    >>> params = bx.Params()
+    >>> params[('fc', 'kernel')] = bx.Param(jnp.ones((8, 2)))
+    >>> params = bp.place(params, mesh)                  # replicated on the learner mesh
+    >>> actor = bp.place(params, jax.devices()[5])       # the actor's copy
+    >>> actor[('fc', 'kernel')].value.sharding.device_set == {jax.devices()[5]}
+    True
+    >>> float(jax.jit(lambda p: p.value(('fc', 'kernel')).sum())(actor))
+    16.0
+    """
+    sharding = _target_sharding(target)
+    single = (
+        next(iter(sharding.device_set))
+        if isinstance(sharding, jax.sharding.SingleDeviceSharding)
+        else None
+    )
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    out = []
+    for kp, x in leaves:
+        name = jax.tree_util.keystr(kp) or "<root>"
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            x = _whole(x, single, name)
+        elif isinstance(x, jax.core.Tracer):
+            raise TypeError(
+                f"place: leaf {name} is traced (place was called inside jax.jit); it moves "
+                "concrete arrays between calls. Under jit use jax.sharding.reshard or "
+                "out_shardings."
+            )
+        out.append(jax.device_put(x, sharding))
+    return jax.tree_util.tree_unflatten(treedef, out)
