@@ -36,6 +36,7 @@ from blox.nn._rnn import GRUState as GRUState
 from blox.nn._rnn import MGUState as MGUState
 from blox.nn._rnn import SimpleRNN as SimpleRNN
 from blox.nn._rnn import SimpleRNNState as SimpleRNNState
+from blox.nn._running_stats import RunningMeanStd as RunningMeanStd
 from blox.nn._sequential import Sequential as Sequential
 from blox.nn._transformer import TransformerBlock as TransformerBlock
 from blox.nn._transformer import TransformerLM as TransformerLM

@@ -309,6 +309,16 @@ DESCRIPTORS: list[Descriptor] = [
         in_spec=P("data", "model"),
     ),
     Descriptor(
+        "RunningMeanStd",
+        bx.RunningMeanStd,
+        lambda node, rng: bx.RunningMeanStd(node),
+        normal(4, 8),
+        bad=lambda: np.ones((4, 6), np.float32),
+        bad_match=r"'net/layer/running_mean' is stored with shape \(8,\)",
+        rules=(("running_(mean|var)", VEC), ("count", None)),
+        in_spec=P("data", "model"),
+    ),
+    Descriptor(
         "GroupNorm",
         bx.GroupNorm,
         lambda node, rng: bx.GroupNorm(node, 2),
