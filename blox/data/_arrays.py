@@ -21,11 +21,19 @@ class ArraySource:
     processes (``num_workers > 0``) each receive a pickled copy, so prefer
     ``num_workers=0`` for data that already sits in memory.
 
+    **Finite values**: the arrays are in memory, so checking them is one cheap pass: a
+    float or complex array holding NaN or inf is refused here, naming the array, the
+    first bad example and its element (``check_finite=False`` keeps them, e.g. NaN
+    marking missing values that the loss masks; `channel_stats` then needs
+    ``check_finite=False`` too, and gives NaN statistics for those channels).
+
     Args:
       arrays: ``{name: array [N, ...]}`` with the same N for every array.
+      check_finite: refuse NaN and inf in float and complex arrays (default).
 
-    Raises ``ValueError`` when the arrays disagree on N or one is a scalar, and
-    ``TypeError`` when `arrays` is not a mapping.
+    Raises ``ValueError`` when the arrays disagree on N, one is a scalar, or (with
+    ``check_finite``) one holds NaN or inf, and ``TypeError`` when `arrays` is not a
+    mapping.
 
     >>> import numpy as np
     >>> src = ArraySource({'x': np.zeros((5, 8, 8, 1)), 'y': np.arange(5)})
@@ -33,7 +41,7 @@ class ArraySource:
     (5, np.int64(3), (2, 8, 8, 1))
     """
 
-    def __init__(self, arrays: Mapping[str, Any]):
+    def __init__(self, arrays: Mapping[str, Any], *, check_finite: bool = True):
         if not isinstance(arrays, Mapping) or not arrays:
             raise TypeError(
                 f"ArraySource: arrays must be a non-empty dict of arrays, got "
@@ -52,6 +60,21 @@ class ArraySource:
                 "Every array needs one row per example, e.g. x [N, H, W, C] and y [N]."
             )
         self._n = next(iter(sizes.values()))
+        if check_finite:
+            for k, v in self.arrays.items():
+                if v.dtype.kind not in "fc":
+                    continue
+                ok = np.isfinite(v)
+                if not ok.all():
+                    first = np.unravel_index(int(np.argmin(ok)), v.shape)
+                    raise ValueError(
+                        f"ArraySource: array {k!r} holds {v[first]} at example {first[0]} "
+                        f"(element {[int(i) for i in first]}), the first of "
+                        f"{int(ok.size - ok.sum())} non-finite values. Statistics and "
+                        "losses over it would be nan. Clean or drop those examples, or pass "
+                        "check_finite=False to keep them on purpose (e.g. NaN marking "
+                        "missing values that the loss masks)."
+                    )
 
     def __len__(self) -> int:
         return self._n
@@ -93,6 +116,16 @@ class ArraySource:
                 k: v[a : a + block_rows].reshape(-1, self.channels[k]).astype(dtype)
                 for k, v in self.arrays.items()
             }
+
+    def describe_sample(self, name: str, row: int, channel: int) -> str:
+        """Where value ``[row, channel]`` of array `name`'s `blocks` stream comes from, in
+        words (``"array 'x', example 5, element [5, 2, 3, 0]"``; for error messages)."""
+        v = self.arrays[name]
+        per = int(np.prod(v.shape[1:-1])) if v.ndim >= 2 else 1
+        example, within = divmod(int(row), per)
+        inner = np.unravel_index(within, v.shape[1:-1]) if v.ndim >= 2 else ()
+        element = [example, *(int(i) for i in inner)] + ([int(channel)] if v.ndim >= 2 else [])
+        return f"array {name!r}, example {example}, element {element}"
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k!r}: {v.shape} {v.dtype}" for k, v in self.arrays.items())

@@ -51,9 +51,10 @@ class Normalize(Module):
     Parameters (``C`` channels): ``<path>/mean`` ``(C,)`` and ``<path>/std`` ``(C,)``,
     both non-trainable.
 
-    Raises ``ValueError`` when ``mean`` and ``std`` differ in shape, when a ``std`` is
-    not positive and finite (a constant channel: replace its 0 by 1), and when the
-    input's last axis is not ``C``.
+    Raises ``ValueError`` when ``mean`` and ``std`` differ in shape, when either is not
+    finite (NaN or inf in the data they came from: `channel_stats` names where), when a
+    ``std`` is not positive (a constant channel: replace its 0 by 1, e.g.
+    ``np.where(std == 0, 1.0, std)``), and when the input's last axis is not ``C``.
 
     >>> import blox as bx, jax.numpy as jnp
     >>> from blox.data import Normalize
@@ -85,15 +86,25 @@ class Normalize(Module):
                 "both must be (C,) for C channels, e.g. the mean and std of "
                 "channel_stats(train_source)['u']."
             )
-        bad = np.flatnonzero(~(np.isfinite(s) & (s > 0)))
+        for what, v in (("mean", m), ("std", s)):
+            bad = np.flatnonzero(~np.isfinite(v))
+            if bad.size:
+                raise ValueError(
+                    f"Normalize '{self.path_str}': {what} is not finite in channels "
+                    f"{bad.tolist()} ({v[bad].tolist()}): the data the statistics came "
+                    "from holds NaN or inf there. channel_stats(source) names the first "
+                    "such value (file, dataset, channel, sample) unless given "
+                    "check_finite=False; fix or leave out that data and recompute the "
+                    "statistics (replacing the nan here would only hide it)."
+                )
+        bad = np.flatnonzero(s <= 0)
         if bad.size:
             raise ValueError(
-                f"Normalize '{self.path_str}': std must be positive and finite, but channels "
+                f"Normalize '{self.path_str}': std must be positive, but channels "
                 f"{bad.tolist()} have std {s[bad].tolist()}. A constant channel has std 0: "
-                "replace it, e.g. std=np.where(std > 0, std, 1.0)."
+                "replace those zeros by 1, e.g. std=np.where(std == 0, 1.0, std) (a "
+                "negative std is not a standard deviation: check where it came from)."
             )
-        if not np.isfinite(m).all():
-            raise ValueError(f"Normalize '{self.path_str}': mean has non-finite values {m}.")
         self.num_channels = int(m.shape[0])
         self._mean, self._std = m, s
         self.dtype = dtype

@@ -296,6 +296,26 @@ class WindowedSource:
             for start in range(0, length, block_rows):
                 yield self.read(f, start, min(start + block_rows, length), dtype=dtype)
 
+    def describe_sample(self, signal: str, row: int, channel: int) -> str:
+        """Where value ``[row, channel]`` of signal `signal`'s `blocks` stream comes from,
+        in words: the file, the dataset and its column, the time step (for error
+        messages, e.g. `channel_stats`' finiteness check)."""
+        ends = np.cumsum(self.lengths).tolist()
+        f = bisect.bisect_right(ends, int(row))
+        t = int(row) - (ends[f - 1] if f else 0)
+        c = int(channel)
+        for name in self.signals[signal]:
+            shape = self.index.info(f, name).shape
+            width = 1 if len(shape) == 1 else shape[1]
+            if c < width:
+                column = "" if len(shape) == 1 else f", column {c}"
+                break
+            c -= width
+        return (
+            f"HDF5 file {self.files[f]!r}, dataset {name!r}{column} (channel {int(channel)} "
+            f"of signal {signal!r}), sample {t} of {self.lengths[f]}"
+        )
+
     def __repr__(self) -> str:
         sig = {k: list(v) for k, v in self.signals.items()}
         return (

@@ -1,5 +1,7 @@
 """Normalization statistics (test 6) and the Normalize module (raw-in/raw-out)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,8 +148,8 @@ def test_normalize_errors():
     g = bx.Graph("net")
     with pytest.raises(
         ValueError,
-        match=r"Normalize 'net/a': std must be positive and finite, "
-        r"but channels \[1\] have std \[0\.0\].*np\.where\(std > 0, std, 1\.0\)",
+        match=r"Normalize 'net/a': std must be positive, "
+        r"but channels \[1\] have std \[0\.0\].*np\.where\(std == 0, 1\.0, std\)",
     ):
         Normalize(g / "a", [0.0, 0.0], [1.0, 0.0])
     with pytest.raises(ValueError, match=r"'net/b': mean has shape \(2,\) and std \(3,\)"):
@@ -161,3 +163,89 @@ def test_normalize_errors():
         norm(bx.Params(), jnp.zeros((4, 3)))
     with pytest.raises(KeyError, match=r"Parameter 'net/c/std' not found"):
         norm.std(bx.Params())
+
+
+# -- issue 34 item 8: NaN or inf in training data -------------------------------------
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    "file,dataset,t,col",
+    [(1, "u2", 13, 1), (0, "u0", 0, None), (2, "y", 43, 2)],  # file 2 is chunked + gzip
+    ids=["2d-mid", "1d-first", "chunked-last"],
+)
+def test_channel_stats_names_the_first_non_finite_sample(tmp_path, value, file, dataset, t, col):
+    p1, a1 = recordings(tmp_path, [50, 31], tag="c")
+    p2, a2 = recordings(tmp_path, [44], chunked=True, tag="k", seed=2)
+    paths, arrays = p1 + p2, a1 + a2
+    arrays[file][dataset][(t,) if col is None else (t, col)] = value
+    if (file, t) != (2, 43):
+        arrays[2]["u0"][40] = np.nan  # a later bad value: not the first
+    for f, data in enumerate(arrays):
+        write_h5(paths[f], data, chunked=f == 2)
+    signals = {"u": ["u0", "u2"], "y": "y"}
+    src = WindowedSource(paths, signals, window=5, stride=2)
+    channel = {"u0": 0, "u2": 1 + (col or 0), "y": col}[dataset]
+    key = "y" if dataset == "y" else "u"
+    column = "" if col is None else f", column {col}"
+    where = (
+        rf"signal '{key}' holds {re.escape(str(value))} at HDF5 file "
+        rf"'{re.escape(paths[file])}', dataset '{dataset}'{column} \(channel {channel} of "
+        rf"signal '{key}'\), sample {t} of {len(arrays[file]['u0'])}: the first non-finite"
+    )
+    for block_rows in (7, 1 << 16):
+        with pytest.raises(ValueError, match=where + r".*check_finite=False"):
+            channel_stats(src, block_rows=block_rows)
+    # the opt-out: NumPy's statistics of the same data, non-finite where the data is
+    got = channel_stats(src, check_finite=False, block_rows=7)[key]
+    ref = np.concatenate(
+        [np.column_stack([a["u0"], a["u2"]]) if key == "u" else a["y"] for a in arrays]
+    ).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        mean, std = ref.mean(0), ref.std(0)
+    np.testing.assert_array_equal(np.isfinite(got.mean), np.isfinite(mean))
+    assert not np.isfinite(got.mean[channel]) and not np.isfinite(got.std[channel])
+    finite = np.isfinite(mean)
+    np.testing.assert_allclose(got.mean[finite], mean[finite], rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(got.std[finite], std[finite], rtol=1e-6, atol=1e-12)
+    # Normalize then blames the data, not a constant channel, and suggests no cover-up
+    bad = re.escape(str(np.flatnonzero(~finite).tolist()))
+    assert channel in np.flatnonzero(~finite)
+    with pytest.raises(ValueError, match=rf"std is not finite in channels {bad}.*"
+                       r"holds NaN or inf.*channel_stats") as err:  # fmt: skip
+        Normalize(bx.Graph("m") / "n", np.where(finite, got.mean, 0.0), got.std)
+    assert "constant" not in str(err.value) and "np.where" not in str(err.value)
+    with pytest.raises(ValueError, match=r"mean is not finite in channels"):
+        Normalize(bx.Graph("m") / "n", got.mean, np.ones_like(got.std))
+
+
+def test_array_source_refuses_non_finite_values_unless_told():
+    x = np.random.default_rng(0).normal(size=(6, 4, 3, 2))
+    x[4, 1, 2, 0] = np.inf
+    x[3, 2, 0, 1] = np.nan  # the first in example order
+    with pytest.raises(ValueError, match=r"array 'x' holds nan at example 3 \(element "
+                       r"\[3, 2, 0, 1\]\), the first of 2 non-finite.*check_finite=False"):  # fmt: skip
+        ArraySource({"x": x, "y": np.arange(6)})
+    ArraySource({"x": np.zeros(x.shape, np.int64), "y": np.arange(6)})  # ints: always finite
+    src = ArraySource({"x": x, "y": np.arange(6)}, check_finite=False)
+    with pytest.raises(ValueError, match=r"signal 'x' holds nan at array 'x', example 3, "
+                       r"element \[3, 2, 0, 1\]: the first non-finite"):  # fmt: skip
+        channel_stats(src, block_rows=2)
+    got = channel_stats(src, check_finite=False)["x"]
+    assert got.mean[0] == np.inf and np.isnan(got.mean[1])  # inf in channel 0, nan in 1
+    y = channel_stats(src, names=["y"])["y"]  # the other array is finite: no error
+    np.testing.assert_allclose(y.mean, [2.5])
+
+
+def test_the_constant_channel_fix_keeps_a_nan_visible():
+    # The message's fix for std 0 must not turn a NaN std into 1 (np.where(std > 0, ...)
+    # did): applied to [0, nan] it keeps the nan, which Normalize then refuses.
+    std = np.array([0.0, np.nan])
+    with pytest.raises(ValueError, match=r"std is not finite in channels \[1\]"):
+        Normalize(bx.Graph("m") / "n", [0.0, 0.0], std)
+    fixed = np.where(std == 0, 1.0, std)
+    assert fixed[0] == 1.0 and np.isnan(fixed[1])
+    with pytest.raises(ValueError, match=r"std is not finite in channels \[1\]"):
+        Normalize(bx.Graph("m") / "n", [0.0, 0.0], fixed)
+    with pytest.raises(ValueError, match=r"channels \[0\] have std \[-1.0\]"):
+        Normalize(bx.Graph("m") / "n", [0.0], [-1.0])
