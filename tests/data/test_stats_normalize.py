@@ -223,8 +223,8 @@ def test_array_source_refuses_non_finite_values_unless_told():
     x = np.random.default_rng(0).normal(size=(6, 4, 3, 2))
     x[4, 1, 2, 0] = np.inf
     x[3, 2, 0, 1] = np.nan  # the first in example order
-    with pytest.raises(ValueError, match=r"array 'x' holds nan at example 3 \(element "
-                       r"\[3, 2, 0, 1\]\), the first of 2 non-finite.*check_finite=False"):  # fmt: skip
+    first = r"array 'x' holds nan at example 3 \(element \[3, 2, 0, 1\]\), the first of 2 "
+    with pytest.raises(ValueError, match=first + r"non-finite.*check_finite=False"):
         ArraySource({"x": x, "y": np.arange(6)})
     ArraySource({"x": np.zeros(x.shape, np.int64), "y": np.arange(6)})  # ints: always finite
     src = ArraySource({"x": x, "y": np.arange(6)}, check_finite=False)
