@@ -13,14 +13,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from blox.core._params import Params, Path, _thaw, format_path
+from blox.core._params import FSDP_MARK, Params, Path, _thaw, format_path
 
 __all__ = [
+    "FSDP_MARK",
     "check_no_new_params",
     "check_placement",
+    "check_reduce_dtype",
     "check_rngs_listed",
     "counter_paths",
+    "reduce_dtype_of",
+    "to_reduce_dtype",
 ]
 
 _NEW_PARAMS = (
@@ -199,3 +204,46 @@ def check_placement(tree: Any, where: str) -> None:
                     size=size,
                 )
             )
+
+
+# ---------------------------------------------------------------------------
+# The dtype of gradient sums (accumulation over microbatches, collectives)
+# ---------------------------------------------------------------------------
+
+
+def check_reduce_dtype(reduce_dtype: Any, where: str) -> Any:
+    """`reduce_dtype` as a NumPy dtype (or None, the default rule), checked floating."""
+    if reduce_dtype is None:
+        return None
+    try:
+        dt = jnp.dtype(reduce_dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(
+            f"{where}: reduce_dtype must be a floating dtype (e.g. jnp.float32) or None (float32 "
+            f"for bf16/fp16 gradients, else their own dtype), got {reduce_dtype!r}."
+        )
+    return dt
+
+
+def reduce_dtype_of(dtype: Any, reduce_dtype: Any) -> Any:
+    """The dtype a floating value of `dtype` is summed in: `reduce_dtype` when given
+    (checked by `check_reduce_dtype`), else float32 for a floating dtype narrower than
+    32 bits (bf16, fp16) and `dtype` itself otherwise. Non-floating dtypes are kept."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return dtype
+    if reduce_dtype is not None:
+        return jnp.dtype(reduce_dtype)
+    return jnp.dtype(jnp.float32) if dtype.itemsize < 4 else dtype
+
+
+def to_reduce_dtype(tree: Any, reduce_dtype: Any) -> Any:
+    """Every floating leaf of `tree` cast to `reduce_dtype_of` its dtype."""
+
+    def one(x):
+        d = reduce_dtype_of(x.dtype, reduce_dtype)
+        return x if d == x.dtype else x.astype(d)
+
+    return jax.tree.map(one, tree)

@@ -23,6 +23,11 @@ from blox.core._errors import BloxKeyError
 
 Path = tuple[str, ...]
 
+#: The metadata key that marks a leaf as one device's FSDP shard inside an FSDP step
+#: (``blox.parallel.fsdp_value_and_grad``); such a leaf is read only through
+#: ``blox.parallel.fsdp_call``, which gathers it.
+FSDP_MARK = "fsdp"
+
 __all__ = ["Param", "Params", "Path", "format_path"]
 
 

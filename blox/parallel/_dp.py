@@ -23,6 +23,13 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from blox.core import Params, Rng
+from blox.core._guards import (
+    check_no_new_params,
+    check_reduce_dtype,
+    check_rngs_listed,
+    reduce_dtype_of,
+    to_reduce_dtype,
+)
 from blox.core._params import Path, format_path
 from blox.parallel._collectives import check_axis
 from blox.parallel._mesh import check_vma_enabled, constrain, varying_axes
@@ -180,6 +187,8 @@ def accumulate_microbatches(
     clean_state: Callable[[Params], Params] = lambda p: p,
     clean_grads: Callable[[Params], Params] = lambda g: g,
     reduced_inside: frozenset = frozenset(),
+    rngs: Sequence[Rng] = (),
+    reduce_dtype: Any = None,
 ) -> tuple[Any, Params]:
     """The local (not yet reduced) sums of one shard's `k` microbatches, shared by the DP
     and FSDP gradients: ``((grads, (loss, aux), weight), rest)``, weighted as `_weight`
@@ -189,11 +198,19 @@ def accumulate_microbatches(
     forward (FSDP's shard marks) from the returned state and gradients.
     `reduced_inside`: paths whose gradients the backward already summed over the axis
     (FSDP's per-layer reduce-scatter); a weight-0 part zeroes only the other, local ones.
+    Each call of `loss_fn` is checked (at trace time) for parameters it creates
+    (`check_no_new_params`) and for `Rng` counters it advances whose `Rng` is not in
+    `rngs` (`check_rngs_listed`). The sums (gradients, loss, floating aux, weight) are
+    kept in `reduce_dtype` (`reduce_dtype_of`: float32 for bf16/fp16 values by default).
     """
 
     def one(nt, mb):
         def inner(t):
-            loss, aux, new = _unpack(loss_fn(t.merge(nt), *mb), has_aux, where)
+            given = t.merge(nt)
+            loss, aux, new = _unpack(loss_fn(given, *mb), has_aux, where)
+            check_no_new_params(given, new, where)
+            check_rngs_listed(given, new, rngs, where)
+            loss = loss.astype(reduce_dtype_of(loss.dtype, reduce_dtype))
             w = _weight(aux, loss)
             if w is None:
                 scaled = loss / jnp.asarray(k * size, loss.dtype)
@@ -203,7 +220,8 @@ def accumulate_microbatches(
             return scaled, (loss, aux, w, clean_state(new.split(predicate)[1]))
 
         grads, (loss, aux, w, new_nt) = jax.grad(inner, has_aux=True)(trainable_v)
-        grads = clean_grads(grads)
+        # Summed over microbatches and shards in reduce_dtype (f32 for bf16 gradients).
+        grads = to_reduce_dtype(clean_grads(grads), reduce_dtype)
         if w is not None:
             # A weight-0 microbatch (all padding) contributes nothing: its masked-mean
             # loss is 0/0, and the `where` in `inner` zeroes the loss but not its
@@ -215,11 +233,14 @@ def accumulate_microbatches(
             )
             grads = Params._make(grads._struct, values)
         if w is None:
-            terms = (loss / jnp.asarray(k * size, loss.dtype), _aux_terms(aux, None, k * size))
+            terms = (
+                loss / jnp.asarray(k * size, loss.dtype),
+                _aux_terms(aux, None, k * size, reduce_dtype),
+            )
         else:
             terms = (
                 jnp.where(w > 0, loss * w, jnp.zeros((), loss.dtype)),
-                _aux_terms(aux, w, k * size),
+                _aux_terms(aux, w, k * size, reduce_dtype),
             )
         return (grads, terms, w), new_nt
 
@@ -259,6 +280,7 @@ def dp_value_and_grad(
     has_aux: bool = False,
     predicate: Callable[[Path, Any], bool] | None = None,
     rngs: Sequence[Rng] = (),
+    reduce_dtype: Any = None,
 ) -> Callable[..., Any]:
     """Data-parallel gradients, to call **inside** ``jax.shard_map``: local gradients
     over `microbatches` splits of this shard's batch, summed locally, then one
@@ -302,6 +324,14 @@ def dp_value_and_grad(
         the trainable flag).
       rngs: `Rng` modules whose seeds are folded with the index along `axis` for the
         forward passes (`fold_seeds`: dropout differs per shard) and restored after.
+        Every `Rng` that draws keys in `loss_fn` must be listed: an unlisted one would
+        draw the same keys on every shard, so it raises (at trace time) naming its path.
+        (An Rng draws when `loss_fn` returns another array for its counter than the one
+        it received; one that only passes through is not flagged.)
+      reduce_dtype: the dtype the gradients, the loss and the floating aux are summed in,
+        over the microbatches and in the all-reduce (default ``None``: float32 for
+        bf16/fp16 values, else their own dtype; torchtitan's ``reduce_dtype``). The
+        gradients are returned in their params' dtypes.
 
     Returns:
       ``f(params, *batch)`` as above. Works with ``check_vma=True`` (the default) and
@@ -309,13 +339,37 @@ def dp_value_and_grad(
 
     Raises:
       ValueError: `axis` not bound (called outside ``shard_map``), a per-shard batch not
-        divisible by `microbatches`.
+        divisible by `microbatches`; an `Rng` that draws keys in `loss_fn` but is not in
+        `rngs`; a parameter first created in `loss_fn`.
     """
+    return _dp_value_and_grad(
+        loss_fn,
+        axis=axis,
+        microbatches=microbatches,
+        has_aux=has_aux,
+        predicate=predicate,
+        rngs=rngs,
+        reduce_dtype=reduce_dtype,
+        where="dp_value_and_grad",
+    )
+
+
+def _dp_value_and_grad(
+    loss_fn: Callable[..., Any],
+    *,
+    axis: str | tuple[str, ...],
+    microbatches: int,
+    has_aux: bool,
+    predicate: Callable[[Path, Any], bool] | None,
+    rngs: Sequence[Rng],
+    reduce_dtype: Any,
+    where: str,
+) -> Callable[..., Any]:
+    """`dp_value_and_grad`, naming `where` (the public entry point) in its messages."""
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(
-            f"dp_value_and_grad: microbatches must be an int >= 1, got {microbatches!r}."
-        )
-    where = "dp_value_and_grad"
+        raise ValueError(f"{where}: microbatches must be an int >= 1, got {microbatches!r}.")
+    rngs = _check_rngs(rngs, where)
+    reduce_dtype = check_reduce_dtype(reduce_dtype, where)
 
     def f(params: Params, *batch: Any):
         names = check_axis(axis, where)
@@ -344,6 +398,8 @@ def dp_value_and_grad(
             has_aux=has_aux,
             predicate=predicate,
             where=where,
+            rngs=rngs,
+            reduce_dtype=reduce_dtype,
         )
         grads, (loss, aux), w = sums
         # The one all-reduce of the step (gradients, loss, metrics and weight together).
@@ -354,6 +410,7 @@ def dp_value_and_grad(
             grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
             loss = loss / denom.astype(loss.dtype)
             aux = _aux_finish(aux, denom, w)
+        grads = _like(grads, trainable)
         rest = restore_seeds(rest, seeds)
         rest = _settle_state(rest, names, where)
         out_params = trainable.merge(rest)
@@ -362,13 +419,37 @@ def dp_value_and_grad(
     return f
 
 
-def _aux_terms(aux: Any, w: jax.Array | None, n: int) -> Any:
-    """Per-microbatch contributions of the aux leaves to their (weighted) mean."""
+def _check_rngs(rngs: Any, where: str) -> tuple[Rng, ...]:
+    """`rngs` as a tuple of `Rng` (one Rng alone is accepted)."""
+    rngs = (rngs,) if isinstance(rngs, Rng) else tuple(rngs)
+    for r in rngs:
+        if not isinstance(r, Rng):
+            raise TypeError(
+                f"{where}: rngs must hold the model's Rng modules (bx.Rng), got "
+                f"{type(r).__name__}. Pass e.g. rngs=[rng]."
+            )
+    return rngs
+
+
+def _like(grads: Params, trainable: Params) -> Params:
+    """The gradients (summed in the reduce dtype) cast back to their params' dtypes, so
+    that the optimizer state keeps its dtypes from step to step."""
+    values = tuple(
+        g if g.dtype == t.dtype else g.astype(t.dtype)
+        for g, t in zip(grads._values, trainable._values, strict=True)
+    )
+    return Params._make(grads._struct, values)
+
+
+def _aux_terms(aux: Any, w: jax.Array | None, n: int, reduce_dtype: Any = None) -> Any:
+    """Per-microbatch contributions of the aux leaves to their (weighted) mean, floating
+    ones in `reduce_dtype` (`reduce_dtype_of`)."""
 
     def one(kp, x):
         x = jnp.asarray(x)
         if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
             return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+        x = x.astype(reduce_dtype_of(x.dtype, reduce_dtype))
         if w is None:
             return x / jnp.asarray(n, x.dtype)  # a mean over microbatches and shards
         if _is_weight(kp):
@@ -428,6 +509,7 @@ def make_dp_train_step(
     batch_spec: PartitionSpec | None = None,
     rngs: Sequence[Rng] = (),
     predicate: Callable[[Path, Any], bool] | None = None,
+    reduce_dtype: Any = None,
 ) -> Callable[..., Any]:
     """Builds ``step(params, opt_state, *batch) -> (params, opt_state, metrics)`` for a
     data-parallel (or DP x TP) step; the user jits it (``jax.jit(step,
@@ -456,8 +538,12 @@ def make_dp_train_step(
       param_specs: the params' ``PartitionSpec`` tree (`param_specs` with rules), for
         DP x TP; the params passed in must already have these shardings.
       batch_spec: the spec of every batch leaf (default ``P(axis)``).
-      rngs: the `Rng` modules whose seeds are folded with the data-axis index.
+      rngs: the `Rng` modules whose seeds are folded with the data-axis index: every
+        `Rng` that draws keys in `loss_fn` (an unlisted one raises, see
+        `dp_value_and_grad`).
       predicate: ``(path, Param) -> bool``: which params are trained.
+      reduce_dtype: the dtype of the gradient sums and the all-reduce (default: float32
+        for bf16/fp16 gradients); see `dp_value_and_grad`.
 
     Returns:
       ``step``; ``metrics`` is ``{'loss': loss}`` plus the aux dict's entries (or
@@ -476,13 +562,15 @@ def make_dp_train_step(
     """
     _check_data_axis(mesh, axis, "make_dp_train_step")
     bspec = PartitionSpec(axis) if batch_spec is None else batch_spec
-    grad_fn = dp_value_and_grad(
+    grad_fn = _dp_value_and_grad(
         loss_fn,
         axis=axis,
         microbatches=microbatches,
         has_aux=has_aux,
         predicate=predicate,
         rngs=rngs,
+        reduce_dtype=reduce_dtype,
+        where="make_dp_train_step",
     )
 
     def step(params: Params, opt_state: Any, *batch: Any):

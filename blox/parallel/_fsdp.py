@@ -29,11 +29,14 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from blox.core import Module, Params, Rng
+from blox.core._guards import FSDP_MARK, check_reduce_dtype, reduce_dtype_of
 from blox.core._params import Path, _freeze, _make_info, _Structure, _thaw, format_path
 from blox.parallel._collectives import check_axis
 from blox.parallel._dp import (
     _aux_finish,
     _check_data_axis,
+    _check_rngs,
+    _like,
     _settle_state,
     _to_varying,
     accumulate_microbatches,
@@ -49,7 +52,7 @@ __all__ = [
     "make_fsdp_train_step",
 ]
 
-MARK = "fsdp"  # metadata key of a local shard inside the step: (axis, dim)
+MARK = FSDP_MARK  # metadata key of a local shard inside the step: (axis, dim, reduce dtype)
 _GATHER_MODES = ("per_layer", "per_step")
 
 
@@ -259,18 +262,18 @@ def _sharded_dims(specs: Params, axis: str, where: str) -> dict[Path, int]:
 # ---------------------------------------------------------------------------
 
 
-def _mark_of(info: tuple) -> tuple[str, int] | None:
+def _mark_of(info: tuple) -> tuple[str, int, str | None] | None:
     meta = info[1]
     if not meta:
         return None
     for k, v in meta:
         if k == MARK:
-            axis, dim = _thaw(v)
-            return axis, dim
+            axis, dim, *rest = _thaw(v)
+            return axis, dim, (rest[0] if rest else None)
     return None
 
 
-def _with_marks(params: Params, marks: dict[Path, tuple[str, int]]) -> Params:
+def _with_marks(params: Params, marks: dict[Path, tuple]) -> Params:
     s = params._struct
     infos = []
     for key, info in zip(s.keys, s.infos, strict=True):
@@ -394,12 +397,16 @@ def fsdp_call(
     if not idx:
         return fn(params, *args, **kwargs)
     marks = [_mark_of(s.infos[i]) for i in idx]
-    for i, (axis, _) in zip(idx, marks, strict=True):
+    for i, (axis, *_) in zip(idx, marks, strict=True):
         check_axis(axis, f"fsdp_call (gathering '{format_path(s.keys[i])}')")
     marked = {s.keys[i]: m for i, m in zip(idx, marks, strict=True)}
     plain = _without_marks(params, marked)  # the other layers' shards keep their marks
     flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
     traced = [i for i, x in enumerate(flat) if _is_array(x)]
+    # The paths `fn` returns untouched (the very array it got), found when `call` is
+    # traced: they leave as the caller's arrays, not as outputs of the custom_vjp, so a
+    # state leaf that only passes through (an Rng counter) stays the same object.
+    untouched: list[frozenset] = []
 
     def call(full, values, dyn):
         """`fn` on the full weights; its params come back without the full weights."""
@@ -422,6 +429,16 @@ def fsdp_call(
             j = where.get(s.keys[i])
             if j is not None:
                 new_vals[j] = None  # the shard goes back in below
+        if not untouched:
+            untouched.append(
+                frozenset(
+                    key
+                    for key, j in where.items()
+                    if (i := s.index.get(key)) is not None
+                    and vals[i] is not None
+                    and new._values[j] is vals[i]
+                )
+            )
         return out, Params._make(new._struct, tuple(new_vals))
 
     def gather(shards, after):
@@ -437,14 +454,18 @@ def fsdp_call(
             shards = tuple(x + dep.astype(x.dtype) for x in shards)
         return tuple(
             jax.lax.all_gather(x, axis, axis=dim, tiled=True)
-            for x, (axis, dim) in zip(shards, marks, strict=True)
+            for x, (axis, dim, _) in zip(shards, marks, strict=True)
         )
 
     def scatter(grads):
-        return tuple(
-            jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
-            for g, (axis, dim) in zip(grads, marks, strict=True)
-        )
+        # The sum over the data axis runs in the step's reduce dtype (f32 for bf16
+        # gradients); the cotangent of the shard goes back in the shard's dtype.
+        out = []
+        for g, (axis, dim, rd) in zip(grads, marks, strict=True):
+            r = reduce_dtype_of(g.dtype, rd)
+            x = jax.lax.psum_scatter(g.astype(r), axis, scatter_dimension=dim, tiled=True)
+            out.append(x.astype(g.dtype))
+        return tuple(out)
 
     if remat:
 
@@ -483,6 +504,8 @@ def fsdp_call(
         j = where.get(s.keys[i])
         if j is not None:
             new_vals[j] = x
+    for key in untouched[0] if untouched else ():
+        new_vals[where[key]] = params._values[s.index[key]]
     new = Params._make(new._struct, tuple(new_vals))
     return out, _with_marks(new, {k: marked[k] for k in new.keys() if k in marked})
 
@@ -502,6 +525,7 @@ def fsdp_value_and_grad(
     has_aux: bool = False,
     predicate: Callable[[Path, Any], bool] | None = None,
     rngs: Sequence[Rng] = (),
+    reduce_dtype: Any = None,
 ) -> Callable[..., Any]:
     """FSDP gradients, to call **inside** ``jax.shard_map`` with the params sharded by
     `specs` (`fsdp_specs`): the gradients leave sharded like the params, summed over the
@@ -548,7 +572,16 @@ def fsdp_value_and_grad(
       gather: ``'per_layer'`` or ``'per_step'`` (see above).
       has_aux: `loss_fn` returns aux.
       predicate: ``(path, Param) -> bool``: the trained params (default: trainable).
-      rngs: `Rng` modules whose seeds are folded with the data index (`fold_seeds`).
+      rngs: `Rng` modules whose seeds are folded with the data index (`fold_seeds`):
+        every `Rng` that draws keys in `loss_fn` (an unlisted one raises, as in
+        `dp_value_and_grad`).
+      reduce_dtype: the dtype of the gradient sums, of the reduce-scatters and of the
+        all-reduce (default ``None``: float32 for bf16/fp16 gradients, else their own
+        dtype). With ``'per_layer'`` each microbatch's reduce-scatter (inside
+        `fsdp_call`'s backward) runs in it and its result is rounded once to the
+        shard's dtype (the cotangent of a ``custom_vjp`` has its primal's dtype), then
+        accumulated in it; with ``'per_step'`` every sum runs in it. The gradients are
+        returned in their params' dtypes.
 
     Returns:
       ``f(params, *batch)``; ``grads`` holds local shards of the sharded leaves (leave the
@@ -558,7 +591,34 @@ def fsdp_value_and_grad(
       ValueError: `axis` not bound, an unknown `gather`, a batch not divisible by
         `microbatches`, a data axis that is not the last name of its spec entry.
     """
-    where = "fsdp_value_and_grad"
+    return _fsdp_value_and_grad(
+        loss_fn,
+        specs,
+        axis=axis,
+        microbatches=microbatches,
+        gather=gather,
+        has_aux=has_aux,
+        predicate=predicate,
+        rngs=rngs,
+        reduce_dtype=reduce_dtype,
+        where="fsdp_value_and_grad",
+    )
+
+
+def _fsdp_value_and_grad(
+    loss_fn: Callable[..., Any],
+    specs: Params,
+    *,
+    axis: str,
+    microbatches: int,
+    gather: str,
+    has_aux: bool,
+    predicate: Callable[[Path, Any], bool] | None,
+    rngs: Sequence[Rng],
+    reduce_dtype: Any,
+    where: str,
+) -> Callable[..., Any]:
+    """`fsdp_value_and_grad`, naming `where` (the public entry point) in its messages."""
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"{where}: microbatches must be an int >= 1, got {microbatches!r}.")
     if gather not in _GATHER_MODES:
@@ -575,6 +635,9 @@ def fsdp_value_and_grad(
     if not isinstance(axis, str):
         raise TypeError(f"{where}: axis must be one mesh-axis name, got {axis!r}.")
     dims_all = _sharded_dims(specs, axis, where)
+    rngs = _check_rngs(rngs, where)
+    reduce_dtype = check_reduce_dtype(reduce_dtype, where)
+    rd_name = None if reduce_dtype is None else str(reduce_dtype)
 
     def f(params: Params, *batch: Any):
         (name,) = check_axis(axis, where)
@@ -601,7 +664,8 @@ def fsdp_value_and_grad(
             trainable_v = _to_varying(Params._make(trainable._struct, values), (name,))
         else:
             trainable_v = _with_marks(
-                _to_varying(trainable, (name,)), {key: (name, d) for key, d in dims.items()}
+                _to_varying(trainable, (name,)),
+                {key: (name, d, rd_name) for key, d in dims.items()},
             )
 
         sums, rest = accumulate_microbatches(
@@ -618,6 +682,8 @@ def fsdp_value_and_grad(
             clean_state=_without_marks,
             clean_grads=lambda g: Params._make(trainable._struct, g._values),
             reduced_inside=frozenset(dims) if gather == "per_layer" else frozenset(),
+            rngs=rngs,
+            reduce_dtype=reduce_dtype,
         )
         grads, (loss, aux), w = sums
         keys = grads.keys()
@@ -641,6 +707,7 @@ def fsdp_value_and_grad(
             grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
             loss = loss / denom.astype(loss.dtype)
             aux = _aux_finish(aux, denom, w)
+        grads = _like(grads, trainable)
         rest = restore_seeds(rest, seeds)
         rest = _settle_state(rest, (name,), where)
         return ((loss, aux) if has_aux else loss), grads, trainable.merge(rest)
@@ -667,6 +734,7 @@ def make_fsdp_train_step(
     rngs: Sequence[Rng] = (),
     predicate: Callable[[Path, Any], bool] | None = None,
     grad_norm: bool = False,
+    reduce_dtype: Any = None,
 ) -> Callable[..., Any]:
     """Builds ``step(params, opt_state, *batch) -> (params, opt_state, metrics)`` for a
     fully sharded data-parallel step (FSDP, or FSDP x TP with TP axes in `specs`); the
@@ -694,10 +762,13 @@ def make_fsdp_train_step(
       gather: ``'per_layer'`` or ``'per_step'`` (see `fsdp_value_and_grad`).
       has_aux: `loss_fn` returns aux (``aux['weight']`` weights the mean).
       batch_spec: the spec of every batch leaf (default ``P(axis)``).
-      rngs: `Rng` modules whose seeds are folded with the data-axis index.
+      rngs: `Rng` modules whose seeds are folded with the data-axis index: every `Rng`
+        that draws keys in `loss_fn` (an unlisted one raises naming it).
       predicate: ``(path, Param) -> bool``: which params are trained.
       grad_norm: add ``metrics['grad_norm']``, the global norm of the gradient (over all
         shards; equal to ``optax.tree.norm`` of the unsharded gradient).
+      reduce_dtype: the dtype of the gradient sums and collectives (default: float32
+        for bf16/fp16 gradients); see `fsdp_value_and_grad`.
 
     Returns:
       ``step``; ``metrics`` holds ``'loss'``, the aux dict's entries and ``'grad_norm'``.
@@ -710,7 +781,7 @@ def make_fsdp_train_step(
     where = "make_fsdp_train_step"
     _check_data_axis(mesh, axis, where)
     bspec = PartitionSpec(axis) if batch_spec is None else batch_spec
-    grad_fn = fsdp_value_and_grad(
+    grad_fn = _fsdp_value_and_grad(
         loss_fn,
         specs,
         axis=axis,
@@ -719,6 +790,8 @@ def make_fsdp_train_step(
         has_aux=has_aux,
         predicate=predicate,
         rngs=rngs,
+        reduce_dtype=reduce_dtype,
+        where=where,
     )
 
     def step(params: Params, opt_state: Any, *batch: Any):
