@@ -24,7 +24,7 @@ from blox.core._params import Params, _thaw, format_path
 
 __all__ = ["RestoreMismatchError", "compare", "describe"]
 
-FORMAT = "blox.ckpt/1"
+FORMAT = "blox.ckpt/2"  # 2: every leaf checksummed, inside the commit
 
 
 @functools.cache

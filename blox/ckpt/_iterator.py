@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
+
 __all__: list[str] = []
 
 
@@ -74,3 +76,25 @@ class IteratorRestorer:
         start = getattr(self.it, "start_prefetch", None)
         if callable(start):
             start()
+
+
+def position_iterator(it: Any, batches: Any, step: int, where: str) -> None:
+    """Sets a Grain iterator to batch index `batches` without reading anything
+    (``grain.experimental.set_next_index``): the restore's ``data_from_step``."""
+    if isinstance(batches, bool) or not isinstance(batches, (int, np.integer)) or batches < 0:
+        raise ValueError(
+            f"{where}: data_from_step(step={step}) must return the number of batches drawn "
+            f"(an int >= 0), got {batches!r}."
+        )
+    import grain
+
+    try:
+        grain.experimental.set_next_index(it, int(batches))
+    except (AttributeError, NotImplementedError, TypeError, ValueError) as e:
+        raise TypeError(
+            f"{where}: data_from_step cannot position a {type(it).__name__} at batch "
+            f"{int(batches)} ({type(e).__name__}: {e}). It needs a Grain dataset iterator that "
+            "skips to an index without reading (grain.experimental.set_next_index): "
+            "iter(blox.data.pipeline(..., num_workers=0)) or iter(grain.MapDataset...). "
+            "Otherwise restore without data_from_step and position the iterator yourself."
+        ) from None

@@ -6,8 +6,8 @@ One step directory holds three Orbax items:
   Python numbers), written by Orbax's ``PyTreeSave`` (OCDBT/TensorStore, one file set
   per process, asynchronous by default);
 * ``blox``: the description (`describe`) as JSON: versions, mesh, and each leaf's path,
-  shape, dtype, spec, trainable flag and metadata; after the commit, `checksums.json`:
-  one checksum per array leaf (`restore` verifies them);
+  shape, dtype, spec, trainable flag and metadata; and `checksums.json`: one checksum per
+  leaf (`restore` verifies them), written by `BloxItemHandler` inside the commit;
 * ``data`` (optional): the data-iterator position, through Grain's Orbax handler.
 
 Orbax writes each step into a temporary directory and renames it when every item is
@@ -19,20 +19,35 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from os import PathLike
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from orbax.checkpoint import checkpoint_managers as ocm
 
-from blox.ckpt._checksum import PendingChecksums, checksums, start_checksums
+from blox.ckpt._checksum import PY_DTYPES, checksums, start_checksums
 from blox.ckpt._describe import compare, describe, describe_saved_tree, empty_nodes
 from blox.ckpt._errors import CheckpointError, leaf_names, leaves_named_in, summary
-from blox.ckpt._iterator import IteratorRestorer, IteratorSnapshot, check_iterator
+from blox.ckpt._item import (
+    CHECKSUMS,
+    DESCRIPTION_FILE,
+    BloxItemHandler,
+    BloxItemSave,
+    ChecksumSlot,
+)
+from blox.ckpt._iterator import (
+    IteratorRestorer,
+    IteratorSnapshot,
+    check_iterator,
+    position_iterator,
+)
 from blox.ckpt._targets import _build, check_mesh
 
 __all__ = ["CheckpointManager"]
@@ -40,7 +55,7 @@ __all__ = ["CheckpointManager"]
 _log = logging.getLogger(__name__)
 
 STATE, DESCRIPTION, DATA = "state", "blox", "data"
-CHECKSUMS = "checksums.json"  # in the description's directory, written after the commit
+_PY_ZERO = {"int": 0, "float": 0.0, "bool": False}
 
 
 # Orbax writes a replicated array cooperatively ("replica-parallel"): each replica slices
@@ -126,6 +141,84 @@ def _has_deleted(state: Any) -> bool:
         if callable(is_deleted) and is_deleted():
             return True
     return False
+
+
+def read_description(path: Any, damaged: Callable[..., Exception]) -> tuple[dict, bool]:
+    """The description in the ``blox`` item directory `path`, with each leaf's checksum
+    merged in, and whether the checksum file exists. `damaged(what, error)` builds the
+    error to raise for an unreadable file."""
+    meta = path / DESCRIPTION_FILE
+    try:
+        desc = json.loads(meta.read_text())
+    except (OSError, ValueError) as e:
+        raise damaged(f"its description {str(meta)!r} cannot be read", e) from e
+    if not isinstance(desc, Mapping) or not isinstance(desc.get("leaves"), Mapping):
+        raise damaged(f"its description {str(meta)!r} is not a blox description")
+    desc = dict(desc)
+    sums_path = path / CHECKSUMS
+    if not sums_path.exists():
+        return desc, False
+    try:
+        sums = json.loads(sums_path.read_text())
+        if not isinstance(sums, Mapping):
+            raise ValueError(f"a {type(sums).__name__}, not a mapping")
+    except (OSError, ValueError) as e:
+        raise damaged(f"{str(sums_path)!r} cannot be read", e) from e
+    for name, value in sums.items():
+        if name in desc["leaves"]:
+            desc["leaves"][name]["checksum"] = value
+    return desc, True
+
+
+def needs_checksum(desc: Mapping[str, Any], entry: Mapping[str, Any]) -> bool:
+    """Whether a leaf must have a checksum: every leaf from format ``blox.ckpt/2`` on;
+    arrays only in ``blox.ckpt/1`` (which did not sum Python numbers)."""
+    return desc.get("format") != "blox.ckpt/1" or entry.get("kind") not in _PY_ZERO
+
+
+def _raw_leaf(abstract: Any, entry: Mapping[str, Any]) -> Any:
+    """What to read a leaf as, in its saved dtype, laid out as `abstract` says."""
+    if entry["kind"] in _PY_ZERO:
+        return _PY_ZERO[entry["kind"]]
+    dtype = jnp.dtype(entry["dtype"])
+    if isinstance(abstract, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(abstract.shape, dtype, sharding=abstract.sharding)
+    return np.zeros(tuple(entry["shape"]), dtype)
+
+
+def _cast(values: Mapping[str, Any], targets: Mapping[str, Any]) -> dict[str, Any]:
+    """The raw values of `targets`' leaves cast to their dtypes (and types), on their
+    shardings: device arrays by one jitted ``astype``."""
+    out: dict[str, Any] = {}
+    on_device = [n for n, a in targets.items() if isinstance(a, jax.ShapeDtypeStruct)]
+    arrays = [n for n in on_device if isinstance(values[n], jax.Array)]
+    if arrays:
+        dtypes = [targets[n].dtype for n in arrays]
+        cast = jax.jit(
+            lambda xs: [x.astype(d) for x, d in zip(xs, dtypes, strict=True)],
+            out_shardings=[targets[n].sharding for n in arrays],
+        )
+        out.update(zip(arrays, cast([values[n] for n in arrays]), strict=True))
+    for name, a in targets.items():
+        if name in out:
+            continue
+        value = np.asarray(values[name])
+        if isinstance(a, jax.ShapeDtypeStruct):
+            out[name] = jax.device_put(value.astype(a.dtype), a.sharding)
+        elif isinstance(a, np.ndarray):
+            out[name] = value.astype(a.dtype)
+        elif isinstance(a, np.generic):
+            out[name] = a.dtype.type(value)
+        else:  # a Python number
+            out[name] = type(a)(value.item())
+    return out
+
+
+def _as_saved(value: Any, entry: Mapping[str, Any]) -> Any:
+    """A restored value as it was summed: Python numbers as `PY_DTYPES`."""
+    if entry.get("kind") in PY_DTYPES:
+        return np.asarray(value, PY_DTYPES[entry["kind"]])
+    return value
 
 
 class CheckpointManager:
@@ -233,7 +326,7 @@ class CheckpointManager:
         # does not build them (and Orbax's thread pools) inside the training loop.
         handlers: dict[str, Any] = {
             STATE: ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
-            DESCRIPTION: ocp.JsonCheckpointHandler(),
+            DESCRIPTION: BloxItemHandler(),
         }
         grain_handler = _grain_handler()
         if grain_handler is not None:
@@ -243,7 +336,6 @@ class CheckpointManager:
         self._closed = False
         self._known: set[int] = set()  # steps this manager saved or restored
         self._writing: int | None = None  # the step of the last started write
-        self._checksums: tuple[int, PendingChecksums] | None = None  # not yet written
 
     @staticmethod
     def _metric_fn(best_metric: str | Callable[[Any], float]) -> Callable[[Any], float]:
@@ -291,14 +383,20 @@ class CheckpointManager:
         return self._mngr.should_save(step)
 
     def description(self, step: int | None = None) -> dict[str, Any]:
-        """The description (`describe`) saved with `step` (default: the latest).
+        """The description (`describe`) saved with `step` (default: the latest), each
+        leaf with its ``checksum`` (none when the step has no ``checksums.json``).
 
         Raises:
           ValueError: no such step, or a step written without a description (by plain
             Orbax: `restore` reads it with the checks Orbax's metadata allows).
-          CheckpointError: the description file is damaged (not JSON).
+          CheckpointError: the description or checksum file is damaged (not JSON).
         """
         step = self._resolve_step(step, "description")
+        return self._read_description(step)[0]
+
+    def _read_description(self, step: int) -> tuple[dict[str, Any], bool]:
+        """The description with the checksums merged in, and whether the step has its
+        checksum file."""
         path = self.directory / str(step) / DESCRIPTION
         if not path.exists():
             raise ValueError(
@@ -307,28 +405,7 @@ class CheckpointManager:
                 "restore() still reads it, comparing names, shapes and dtypes with Orbax's "
                 "metadata."
             )
-        try:
-            restored = self._mngr.restore(
-                step, args=ocp.args.Composite(**{DESCRIPTION: ocp.args.JsonRestore()})
-            )
-            desc = restored[DESCRIPTION]
-        except Exception as e:
-            raise self._damaged(
-                step, f"its description {str(path / 'metadata')!r} cannot be read", e
-            ) from e
-        if not isinstance(desc, Mapping) or not isinstance(desc.get("leaves"), Mapping):
-            raise self._damaged(step, f"its description {str(path)!r} is not a blox description")
-        desc = dict(desc)
-        sums_path = path / CHECKSUMS
-        if sums_path.exists():  # absent: killed between the commit and this file
-            try:
-                sums = json.loads(sums_path.read_text())
-            except (OSError, ValueError) as e:
-                raise self._damaged(step, f"{str(sums_path)!r} cannot be read", e) from e
-            for name, value in sums.items():
-                if name in desc["leaves"]:
-                    desc["leaves"][name]["checksum"] = value
-        return desc
+        return read_description(path, lambda what, e=None: self._damaged(step, what, e))
 
     def _damaged(
         self, step: int, what: str, error: BaseException | None = None, leaves=()
@@ -395,7 +472,6 @@ class CheckpointManager:
                 "save again."
             )
         step = _as_step(step, "CheckpointManager.save")
-        self._flush_checksums(block=False)  # the previous step's, once committed
         if data_iterator is not None and not isinstance(data_iterator, IteratorSnapshot):
             check_iterator(data_iterator, "CheckpointManager.save")
         if metrics is not None:
@@ -448,25 +524,33 @@ class CheckpointManager:
                 self._mngr.delete(s)
                 self._known.discard(s)
         description = describe(state)
+        slot = ChecksumSlot()
+        if not self.async_save:  # Orbax's synchronous save waits for them
+            slot.fill(start_checksums(_named_leaves(state)))
         items = {
             STATE: ocp.args.PyTreeSave(state),
-            DESCRIPTION: ocp.args.JsonSave(description),
+            DESCRIPTION: BloxItemSave(description, slot),
         }
         if snapshot is not None:
             save_cls, _ = _grain_args()
             items[DATA] = save_cls(snapshot)
         self._writing = step
+        started = False
         try:
             saved = self._mngr.save(
                 step, args=ocp.args.Composite(**items), metrics=metrics, force=True
             )
+            started = True
         except Exception as e:
             raise self._write_failed(step, e, state) from e
+        finally:
+            if not slot.filled:
+                # Started once Orbax has copied the arrays to host memory, so that the
+                # copy does not wait behind the checksum program on the device; the
+                # commit (in Orbax's background thread) waits for the sums and writes
+                # them into the step before it is committed.
+                slot.fill(start_checksums(_named_leaves(state)) if started else None)
         if saved:
-            # Started once Orbax has copied the arrays to host memory, so that the copy
-            # does not wait behind the checksum program on the device; the sums are
-            # written next to the description once the step is committed.
-            self._checksums = (step, start_checksums(_named_leaves(state)))
             self._known.add(step)
             if self._pending is not None and self._pending[0] == step:
                 self._pending = None
@@ -490,24 +574,6 @@ class CheckpointManager:
             leaves=leaves,
         )
 
-    def _flush_checksums(self, *, block: bool) -> None:
-        """Writes the checksums of the last saved step next to its description, once the
-        step is committed (its directory exists) and the sums are computed; with `block`
-        (the write has finished) waits for the sums. The primary process writes."""
-        if self._checksums is None:
-            return
-        step, pending = self._checksums
-        target = self.directory / str(step) / DESCRIPTION
-        if not block and not (pending.ready() and target.exists()):
-            return
-        self._checksums = None
-        sums = pending.result()
-        if jax.process_index() != 0 or not target.exists():
-            return  # another process writes it, or the step failed / was deleted
-        tmp = target / (CHECKSUMS + ".tmp")
-        tmp.write_text(json.dumps(sums, indent=1, sort_keys=True))
-        tmp.rename(target / CHECKSUMS)
-
     def _check_writes(self) -> None:
         """Waits for the previous asynchronous write (Orbax's save would wait for it too)
         and raises its error (e.g. disk full), explained, naming that step."""
@@ -515,15 +581,13 @@ class CheckpointManager:
             self._finish_writes()
 
     def _finish_writes(self) -> None:
-        """Waits for Orbax's writes, raises a failed one's error explained (naming the
-        step being written), then writes that step's checksums."""
+        """Waits for Orbax's writes and raises a failed one's error explained (naming the
+        step being written)."""
         try:
             self._mngr.wait_until_finished()
             self._mngr.check_for_errors()
         except Exception as e:
-            self._checksums = None
             raise self._write_failed(self._writing, e) from e
-        self._flush_checksums(block=True)
 
     def wait(self) -> None:
         """Blocks until every started save is committed (and old steps deleted).
@@ -559,7 +623,9 @@ class CheckpointManager:
         step: int | None = None,
         mesh: Mesh | None = None,
         data_iterator: Any = None,
+        data_from_step: bool | Callable[[int], int] = False,
         allow_dtype_cast: bool = False,
+        allow_unverified: bool = False,
         rules: Sequence[tuple[str, Any]] | None = None,
         partial: bool = False,
     ) -> Any:
@@ -568,9 +634,10 @@ class CheckpointManager:
         The saved description is compared with `target` first: any missing, unexpected or
         shape/dtype-mismatched leaf (or a changed trainable flag) raises a
         `RestoreMismatchError` listing them all, and nothing is restored. Leaves are
-        matched by name (their key path), then every restored array is checked against
+        matched by name (their key path), then every restored leaf is checked against
         the checksum saved with it, so a corrupted file raises instead of restoring wrong
-        values.
+        values. A leaf restored into another dtype (`allow_dtype_cast`) is read in its
+        saved dtype, checked, then cast (``astype``).
 
         A step written by Orbax directly (``StandardSave``/``PyTreeSave``, one item or a
         ``state`` item, no blox description) is restored too, compared by name, shape and
@@ -586,8 +653,22 @@ class CheckpointManager:
             spec from `rules` or from ``metadata['sharding']``, else replicated. A leaf
             that was saved sharded and that nothing lays out here raises instead of being
             replicated silently: pass `rules`.
-          data_iterator: the iterator whose position to restore (set in place).
+          data_iterator: the iterator whose position to restore (set in place). Its
+            saved position is one per process: restoring it with another process count
+            raises (pass `data_from_step`).
+          data_from_step: position `data_iterator` from the step instead of its saved
+            position: ``True`` sets it to batch ``step`` (one batch drawn per step, from
+            step 0), a function ``step -> batches drawn`` to that batch (e.g.
+            ``lambda s: 4 * s`` with 4 accumulated batches per step). For a Grain
+            iterator that can skip to an index without reading (`blox.data.pipeline`
+            without workers, ``iter(grain.MapDataset...)``): its batches depend only on
+            the index, so this works with any process count and without a saved
+            position.
           allow_dtype_cast: restore into other dtypes on purpose (e.g. f32 -> bf16).
+          allow_unverified: restore a blox step that has no checksums (e.g. its
+            ``checksums.json`` is missing, or 64-bit leaves of a step written before
+            they were summed), with a warning naming the step and leaves; without it,
+            such a step raises `CheckpointError`.
           rules: ``(pattern, spec)`` sharding rules for the `Params` leaves
             (`blox.parallel.param_specs`; e.g. ``bp.transformer_tp_rules('model') +
             [('.*', None)]``); needs `mesh`.
@@ -604,12 +685,26 @@ class CheckpointManager:
         Raises:
           RestoreMismatchError: the leaves differ (see above).
           ValueError: no checkpoint / no such step; a data iterator was asked for but the
-            step has none; the structures differ where no leaf is (use `partial`); a
-            sharded leaf that `mesh` would replicate (pass `rules`).
-          CheckpointError: damaged, missing or corrupted files (checksum mismatch), naming
-            the directory, step and leaves.
+            step has none, or was saved by another process count; the structures differ
+            where no leaf is (use `partial`); a sharded leaf that `mesh` would replicate
+            (pass `rules`).
+          TypeError: `data_from_step` with an iterator that cannot skip to an index.
+          CheckpointError: damaged, missing or corrupted files (checksum mismatch), or a
+            blox step without checksums (see `allow_unverified`), naming the directory,
+            step and leaves.
         """
         check_mesh(mesh, "CheckpointManager.restore")
+        if data_from_step is not False:
+            if data_iterator is None:
+                raise ValueError(
+                    "CheckpointManager.restore: data_from_step positions data_iterator; pass "
+                    "data_iterator=... too."
+                )
+            if not (data_from_step is True or callable(data_from_step)):
+                raise TypeError(
+                    "CheckpointManager.restore: data_from_step must be True (batch = step) or "
+                    f"a function step -> batches drawn, got {data_from_step!r}."
+                )
         if self._writing is not None:
             self.wait()  # a step of this manager may still be in flight
         if step is not None:
@@ -617,8 +712,10 @@ class CheckpointManager:
         step = self._resolve_step(step, "restore")
         where = f"{str(self.directory)!r} step {step}"
         step_dir = self.directory / str(step)
+        has_sums = False
         if (step_dir / DESCRIPTION).exists():
-            item, saved = STATE, self.description(step)
+            item = STATE
+            saved, has_sums = self._read_description(step)
         elif (step_dir / STATE).exists():
             item, saved = STATE, None
         elif (step_dir / "default").exists():
@@ -626,6 +723,7 @@ class CheckpointManager:
         else:
             have = sorted(p.name for p in step_dir.iterdir()) if step_dir.exists() else []
             raise self._damaged(step, f"it holds no state item (it has {have})")
+        blox_described = saved is not None
         saved_tree = self._saved_tree(step, step_dir / item)
         if saved is None:
             saved = describe_saved_tree(saved_tree)
@@ -638,11 +736,25 @@ class CheckpointManager:
             raise error
         if not partial:
             self._check_structure(saved_tree, target, where)
+        if blox_described:
+            self._check_verifiable(step, saved, has_sums, allow_unverified)
+        read_data = data_iterator is not None and data_from_step is False
+        if read_data:
+            self._check_data(step, step_dir, item, data_iterator)
         abstract, defaulted = _build(target, mesh, rules)
         self._check_replicated(saved, defaulted, mesh, where)
         by_name = _named_leaves(abstract)
+        # Leaves restored into another dtype are read in their saved dtype, checked
+        # against their checksum, then cast.
+        cast = {
+            name: leaf
+            for name, leaf in by_name.items()
+            if "checksum" in saved["leaves"][name]
+            and saved["leaves"][name]["dtype"] != wanted["leaves"][name]["dtype"]
+        }
+        read = {**by_name, **{n: _raw_leaf(a, saved["leaves"][n]) for n, a in cast.items()}}
         restore_item = jax.tree_util.tree_map_with_path(
-            lambda kp, _: by_name.get(
+            lambda kp, _: read.get(
                 jax.tree_util.keystr(kp, simple=True, separator="/") or "<root>",
                 ocp.PLACEHOLDER,
             ),
@@ -652,23 +764,17 @@ class CheckpointManager:
         state_args = ocp.args.PyTreeRestore(restore_item, restore_args=restore_args)
         try:
             if item == "default":
-                if data_iterator is not None:
+                if read_data:
                     raise ValueError(
                         f"CheckpointManager.restore: {where} was written by Orbax without a "
-                        "data-iterator item. Restore without data_iterator."
+                        "data-iterator item. Restore without data_iterator, or pass "
+                        "data_from_step=True."
                     )
                 with ocp.PyTreeCheckpointer() as checkpointer:
                     restored_tree = checkpointer.restore(step_dir / item, args=state_args)
             else:
                 items: dict[str, Any] = {STATE: state_args}
-                if data_iterator is not None:
-                    check_iterator(data_iterator, "CheckpointManager.restore")
-                    if not (step_dir / DATA).exists():
-                        raise ValueError(
-                            f"CheckpointManager.restore: {where} has no data-iterator state "
-                            "(it was saved without data_iterator=...). Restore without "
-                            "data_iterator and position the iterator yourself."
-                        )
+                if read_data:
                     _, restore_cls = _grain_args()
                     items[DATA] = restore_cls(IteratorRestorer(data_iterator))
                 restored_tree = self._mngr.restore(step, args=ocp.args.Composite(**items))[STATE]
@@ -681,10 +787,93 @@ class CheckpointManager:
         values = _named_leaves(restored_tree)
         flat, treedef = jax.tree_util.tree_flatten_with_path(target)
         names = [jax.tree_util.keystr(kp, simple=True, separator="/") or "<root>" for kp, _ in flat]
+        self._verify(step, saved, {n: values[n] for n in names})
+        if cast:
+            values.update(_cast(values, cast))
         restored = jax.tree_util.tree_unflatten(treedef, [values[n] for n in names])
-        self._verify(step, saved, dict(zip(names, jax.tree.leaves(restored), strict=True)))
+        if data_from_step is not False:
+            batches = step if data_from_step is True else data_from_step(step)
+            position_iterator(data_iterator, batches, step, "CheckpointManager.restore")
         self._known.add(step)
         return restored
+
+    def _check_verifiable(
+        self, step: int, saved: Mapping[str, Any], has_sums: bool, allow_unverified: bool
+    ) -> None:
+        """A blox step restores only verified: raises (or warns, `allow_unverified`) when
+        its checksum file or a leaf's checksum is missing."""
+        sums_path = self.directory / str(step) / DESCRIPTION / CHECKSUMS
+        if not has_sums:
+            what = (
+                f"it has no checksums ({str(sums_path)!r} is missing: it was written by a "
+                "blox version that wrote them after Orbax's commit, and the process ended "
+                "in between)"
+            )
+            leaves: list[str] = []
+        else:
+            leaves = sorted(
+                n
+                for n, e in saved["leaves"].items()
+                if "checksum" not in e and needs_checksum(saved, e)
+            )
+            if not leaves:
+                return
+            what = (
+                f"{len(leaves)} leaves have no checksum in {str(sums_path)!r}: "
+                f"{', '.join(leaves[:10])} (e.g. 64-bit leaves, which blox versions "
+                "before the format blox.ckpt/2 did not sum)"
+            )
+        if allow_unverified:
+            warnings.warn(
+                f"CheckpointManager.restore: {str(self.directory)!r} step {step}: {what}; "
+                "restored unverified (allow_unverified=True).",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        others = [s for s in self.all_steps() if s != step]
+        raise CheckpointError(
+            f"The checkpoint {str(self.directory)!r} step {step} cannot be verified: {what}. "
+            "Nothing was restored. Its values may still be right: pass "
+            "allow_unverified=True to restore it with a warning (or check its files "
+            f"first), or restore another step with restore(..., step=s) (the other "
+            f"committed steps are {others}).",
+            directory=str(self.directory),
+            step=step,
+            leaves=leaves,
+        )
+
+    def _check_data(self, step: int, step_dir: Any, item: str, data_iterator: Any) -> None:
+        """The step has a data-iterator position for each process of this run."""
+        check_iterator(data_iterator, "CheckpointManager.restore")
+        where = f"{str(self.directory)!r} step {step}"
+        data_dir = step_dir / DATA
+        if item == "default":
+            return  # explained with the read
+        if not data_dir.exists():
+            raise ValueError(
+                f"CheckpointManager.restore: {where} has no data-iterator state "
+                "(it was saved without data_iterator=...). Restore without "
+                "data_iterator and position the iterator yourself, or pass "
+                "data_from_step=True (the iterator at batch `step`)."
+            )
+        counts = {
+            int(m.group(1))
+            for p in data_dir.iterdir()
+            if (m := re.fullmatch(r"process_\d+-of-(\d+)\.json", p.name))
+        }
+        here = jax.process_count()
+        if counts and here not in counts:
+            saved_by = max(counts)
+            raise ValueError(
+                f"CheckpointManager.restore: {where} was saved by {saved_by} processes and is "
+                f"restored by {here}: its data-iterator position is one file per process "
+                f"({str(data_dir)!r}: process_<i>-of-{saved_by}.json), so no position "
+                f"matches process {jax.process_index()} of {here}. The checkpoint is intact "
+                "(restore the state without data_iterator). A blox.data.pipeline is "
+                "deterministic given the batch index: pass data_from_step=True to position "
+                "the iterator at batch `step` (or a function step -> batches drawn)."
+            )
 
     def _saved_tree(self, step: int, path: Any) -> Any:
         """Orbax's metadata tree of the state item (names, shapes, dtypes)."""
@@ -745,13 +934,13 @@ class CheckpointManager:
         return self._damaged(step, "a data file cannot be read", error, leaves)
 
     def _verify(self, step: int, saved: Mapping[str, Any], restored: Mapping[str, Any]) -> None:
-        """Compares the restored arrays with the checksums saved with them."""
+        """Compares the restored values (in their saved dtypes) with the checksums saved
+        with them."""
         entries = saved["leaves"]
         todo = {
-            name: value
+            name: _as_saved(value, entries[name])
             for name, value in restored.items()
             if "checksum" in entries.get(name, {})
-            and np.dtype(getattr(value, "dtype", object)).name == entries[name]["dtype"]
         }
         if not todo:
             return
@@ -764,7 +953,8 @@ class CheckpointManager:
                 f"{', '.join(bad[:10])}. A data file under "
                 f"{str(self.directory / str(step) / STATE)!r} was changed after the save "
                 "(disk or copy error). Nothing was returned. Restore another step with "
-                f"restore(..., step=s) (committed steps: {self.all_steps()}).",
+                f"restore(..., step=s) (committed steps: {self.all_steps()}); "
+                f"`python -m blox.ckpt verify {str(self.directory)}` checks every step.",
                 directory=str(self.directory),
                 step=step,
                 leaves=bad,
