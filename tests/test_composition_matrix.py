@@ -1,0 +1,845 @@
+"""The composition matrix (issue 34 item 22): every stateful feature on every path.
+
+Rows (`FEATURES`) are the stateful features of a model: dropout through an `Rng`,
+BatchNorm running statistics, RNG counters drawn on both ends of the model, a masked
+loss weighted by ``aux['weight']`` over a padded batch, a bf16 compute policy, and
+gradient accumulation. Columns (`PATHS`) are the ways to train it: one device, one
+device with accumulation, DP, FSDP, TP, each pipeline schedule, DP x PP, FSDP x PP and
+DP x TP x PP. A cell runs one step of its path and compares the loss, the gradients (or
+the params after one SGD step of rate 1) and the non-trainable state (RNG counters and
+seeds, BatchNorm statistics, call counts) with a one-device reference written here in
+plain ``jax.value_and_grad`` from the cell's stated semantics (`semantics`), never with
+numbers the path produced.
+
+Where paths differ on purpose, the reference computes the difference: a path that
+folds the data index into the `Rng` seeds (DP, FSDP, TP, and the pipelines with a data
+axis) is compared with one-device runs of each data shard whose seeds are folded by the
+shard's index (``jax.random.fold_in(seed, d)``); per-shard BatchNorm statistics are the
+mean over the shards of one-device statistics of each shard's rows; state is threaded
+through the microbatches of a shard in order. A cell that cannot compose says why and
+asserts the named error it raises (`Cell.error`).
+
+One model per feature: ``first_fn`` (an embedding `Linear` under ``net/``), ``n``
+identical units (column- then row-parallel `Linear`, plus the feature's layer; units run
+one per pipeline stage, at ``s0/``, ``s1/``, ... on the paths that take one `Params`),
+``last_fn`` (the head and the loss). Tensor-parallel layers compute the global math
+outside a ``shard_map`` over ``'model'``, and every layer is called through
+`blox.parallel.fsdp_call` (a plain call outside FSDP), so one model serves every path.
+
+``docs/composition.md`` holds the matrix as `render_doc` writes it;
+`test_doc_matches_the_table` fails when the two differ (regenerate with
+``python -m tests.test_composition_matrix > docs/composition.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path as FsPath
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import blox as bx
+from blox import parallel as bp
+from tests.tolerances import tol
+
+B, D_IN, WIDTH, HIDDEN, OUT = 8, 4, 8, 8, 2  # batch rows, input, activation, TP hidden, targets
+LR = 1.0  # SGD rate of the step paths: the params after a step show the gradients whole
+DOC = FsPath(__file__).resolve().parents[1] / "docs" / "composition.md"
+
+
+# -- the table -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A row: the stateful feature and the semantics every path must keep.
+
+    Attributes:
+      name: the row id.
+      title: what the model does (docs).
+      unit: the layer each unit adds after its row-parallel `Linear`: ``'dropout'``,
+        ``'batchnorm'``, ``'counter'`` (a call count and a running mean) or ``''``.
+      shared_rng: ``first_fn`` adds noise from the shared `Rng` (``net/rng``) and
+        ``last_fn`` scales the loss by a draw from it: one counter advanced on both ends.
+      weighted: a masked mean over a padded batch, weighted by ``aux['weight']``.
+      dtype: the layers' compute dtype.
+      param_dtype: the dtype the params are stored in.
+      micro: microbatches per data shard multiply by this (accumulation).
+      list_rngs: the steps get every `Rng` in ``rngs=``; False: none.
+      rtol: the relative tolerance when it is not the dtype's (`tests.tolerances`).
+      semantics: the row's rule, as the docs state it.
+    """
+
+    name: str
+    title: str
+    unit: str = ""
+    shared_rng: bool = False
+    weighted: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    micro: int = 1
+    list_rngs: bool = True
+    rtol: float | None = None
+    semantics: str = ""
+
+    @property
+    def model_key(self) -> Feature:
+        """What the model and its reference depend on (not the name, nor `list_rngs`)."""
+        return Feature("", "", self.unit, self.shared_rng, self.weighted, self.dtype,
+                       self.param_dtype, self.micro)  # fmt: skip
+
+    def tol(self) -> dict:
+        t = dict(tol(self.param_dtype if self.dtype is None else self.dtype))
+        if self.rtol is not None:
+            t["rtol"] = self.rtol
+        return t
+
+
+FEATURES = (
+    Feature(
+        "dropout",
+        "Dropout(0.5) in every unit, keys from the unit's own `Rng`",
+        unit="dropout",
+        semantics=(
+            "masks drawn from each unit's seed and counter; a path with a data axis folds "
+            "the shard index into every listed seed (`rngs=`), so the reference runs each "
+            "shard on one device with `fold_in(seed, d)`; counters advance once per "
+            "microbatch, seeds come back unchanged"
+        ),
+    ),
+    Feature(
+        "unlisted_rng",
+        "the dropout model, its `Rng`s not listed in the step's `rngs=`",
+        unit="dropout",
+        list_rngs=False,
+        semantics=(
+            "a step with a data axis cannot keep per-shard masks without folding the seed: "
+            "it raises, naming the `Rng` and `rngs=` (issue 34 item 1); without a data "
+            "axis there is nothing to fold and the cell equals the one-device run"
+        ),
+    ),
+    Feature(
+        "batchnorm",
+        "BatchNorm (no `axis_name`) in every unit",
+        unit="batchnorm",
+        rtol=1e-4,  # statistics of 2-row microbatches amplify the rounding of a TP psum
+        semantics=(
+            "each shard normalizes with its own microbatch statistics; the running "
+            "statistics are threaded through a shard's microbatches in order, then "
+            "averaged over the data shards (the mean of one-device statistics per shard)"
+        ),
+    ),
+    Feature(
+        "rng_counters",
+        "one shared `Rng` drawn in `first_fn` (input noise) and in `last_fn` (loss scale)",
+        shared_rng=True,
+        semantics=(
+            "the shared counter advances twice per microbatch, in the one-device order "
+            "(first_fn, then last_fn, microbatch by microbatch): no two draws share a key; "
+            "with a data axis the seed is folded per shard"
+        ),
+    ),
+    Feature(
+        "weighted_loss",
+        "masked mean over a padded batch, `aux['weight'] = sum(mask)`, one all-padding microbatch",
+        weighted=True,
+        semantics=(
+            "the global masked mean over all real rows, whatever the split: parts weighted "
+            "by their weight, a weight-0 part contributes 0 to loss and gradients"
+        ),
+    ),
+    Feature(
+        "bf16",
+        "bf16 compute (`dtype=bfloat16` layers), float32 params (a bf16 policy)",
+        dtype=jnp.bfloat16,
+        semantics=(
+            "the one-device bf16 model's loss and gradients to bf16 tolerance; gradients "
+            "and state come back float32"
+        ),
+    ),
+    Feature(
+        "bf16_params",
+        "params stored and computed in bf16 (`param_dtype=dtype=bfloat16`)",
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16,
+        semantics=(
+            "the one-device bf16 model's loss and gradients to bf16 tolerance; gradients "
+            "come back bf16 (reduced in float32 inside: `reduce_dtype`, issue 34 item 7)"
+        ),
+    ),
+    Feature(
+        "accumulation",
+        "twice the microbatches, a unit with a call count and a running mean",
+        unit="counter",
+        micro=2,
+        semantics=(
+            "loss and gradients are the mean over all microbatches; the count advances "
+            "once per microbatch and the running mean is threaded through a shard's "
+            "microbatches in order, then averaged over the shards"
+        ),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    """A column: how one step is run.
+
+    Attributes:
+      name: the column id.
+      title: the API (docs).
+      mesh: ``((axis, size), ...)``; empty: one device.
+      k: microbatches per data shard (a pipeline's ``m``), before `Feature.micro`.
+      schedule: the pipeline schedule (``None``: a train step that takes one `Params`).
+      v: virtual stages of an interleaved pipeline.
+      fsdp: weights sharded over ``'data'`` (`fsdp_specs`).
+      tp: the units' weights sharded over ``'model'``.
+      semantics: what the path does to the microbatches and the seeds (docs).
+    """
+
+    name: str
+    title: str
+    mesh: tuple = ()
+    k: int = 1
+    schedule: str | None = None
+    v: int = 1
+    fsdp: bool = False
+    tp: bool = False
+    semantics: str = ""
+
+    @property
+    def data(self) -> int:
+        return dict(self.mesh).get("data", 1)
+
+    @property
+    def units(self) -> int:
+        return dict(self.mesh).get("stage", 1) * self.v if self.schedule else 2
+
+    @property
+    def folds(self) -> bool:
+        """The path folds the data index into the `Rng` seeds (it has a data axis)."""
+        return "data" in dict(self.mesh)
+
+
+_PIPE = "pipeline_value_and_grad, 2 stages"
+PATHS = (
+    PathSpec("one_device", "make_train_step", semantics="the reference itself: whole batch"),
+    PathSpec(
+        "accumulation",
+        "make_train_step(accumulation_steps=2)",
+        k=2,
+        semantics="2 microbatches in order",
+    ),
+    PathSpec(
+        "dp",
+        "make_dp_train_step, data=2",
+        (("data", 2),),
+        semantics="2 shards, seeds folded by shard",
+    ),
+    PathSpec(
+        "fsdp",
+        "make_fsdp_train_step, data=2, fsdp_call per layer",
+        (("data", 2),),
+        fsdp=True,
+        semantics="2 shards, seeds folded by shard",
+    ),
+    PathSpec(
+        "tp",
+        "make_dp_train_step(param_specs=TP), data=1 x model=2",
+        (("data", 1), ("model", 2)),
+        tp=True,
+        semantics="1 shard, seeds folded by index 0",
+    ),
+    PathSpec("gpipe", f"{_PIPE}, gpipe", (("stage", 2),), 2, "gpipe", semantics="m=2"),
+    PathSpec("1f1b", f"{_PIPE}, 1f1b", (("stage", 2),), 2, "1f1b", semantics="m=2"),
+    PathSpec("1f1b-2f", f"{_PIPE}, 1f1b-2f", (("stage", 2),), 2, "1f1b-2f", semantics="m=2"),
+    PathSpec(
+        "interleaved",
+        f"{_PIPE} x 2 chunks, interleaved",
+        (("stage", 2),),
+        2,
+        "interleaved",
+        v=2,
+        semantics="m=2, 4 units",
+    ),
+    PathSpec("zb", f"{_PIPE}, zb-h1", (("stage", 2),), 2, "zb", semantics="m=2"),
+    PathSpec(
+        "dp_pp",
+        f"{_PIPE}, 1f1b, data_axis, data=2",
+        (("data", 2), ("stage", 2)),
+        2,
+        "1f1b",
+        semantics="2 shards x m=2, seeds folded by shard",
+    ),
+    PathSpec(
+        "fsdp_pp",
+        f"{_PIPE}, 1f1b, FSDP stage_specs, data=2",
+        (("data", 2), ("stage", 2)),
+        2,
+        "1f1b",
+        fsdp=True,
+        semantics="2 shards x m=2, seeds folded by shard",
+    ),
+    PathSpec(
+        "dp_tp_pp",
+        f"{_PIPE}, 1f1b, TP stage_specs, data=2 x model=2",
+        (("data", 2), ("stage", 2), ("model", 2)),
+        2,
+        "1f1b",
+        tp=True,
+        semantics="2 shards x m=2, seeds folded by shard (not by model)",
+    ),
+)
+
+
+class Cell(NamedTuple):
+    """One cell: a feature on a path, and the error it must raise if it cannot compose
+    (``(exception type, message regex, why)``; None: it composes)."""
+
+    feature: Feature
+    path: PathSpec
+    error: tuple | None = None
+
+
+_UNLISTED = (
+    ValueError,
+    r"the Rng '[^']+' drew keys inside the step .* not in rngs=",
+    "an Rng that draws on a data axis but is not in `rngs=` would draw the same masks on "
+    "every shard",
+)
+
+# Cells that cannot compose, with the error they raise and why.
+ERRORS: dict[tuple[str, str], tuple] = {
+    ("unlisted_rng", p.name): _UNLISTED for p in PATHS if p.folds
+}
+
+# Cells that fail on today's tree: a defect whose fix has not landed (issue 34 items).
+# They are not run (not skipped: absent) until the fix lands; the doc lists them.
+_PIPES = [p.name for p in PATHS if p.schedule]
+PENDING: dict[tuple[str, str], str] = {
+    **{("dropout", p): "item 1" for p in ("dp_pp", "fsdp_pp", "dp_tp_pp")},
+    **{("unlisted_rng", p.name): "item 1" for p in PATHS if p.folds},
+    **{("rng_counters", p): "item 6" for p in _PIPES},
+    **{("weighted_loss", p): "item 2" for p in _PIPES},
+}
+
+CELLS = [
+    Cell(f, p, ERRORS.get((f.name, p.name)))
+    for f in FEATURES
+    for p in PATHS
+    if (f.name, p.name) not in PENDING
+]
+
+
+def semantics(cell: Cell) -> str:
+    """The cell's semantics: what its reference computes."""
+    f, p = cell.feature, cell.path
+    if cell.error is not None:
+        return f"raises {cell.error[0].__name__}: {cell.error[2]}"
+    k = p.k * f.micro
+    split = f"{p.data} shard(s) x {k} microbatch(es)"
+    if p.schedule:
+        split += f", {p.units} units on {dict(p.mesh)['stage']} stages"
+    seeds = "seeds folded by shard index" if p.folds else "seeds as stored"
+    return f"= one device, {split}, {seeds}"
+
+
+# -- the model -----------------------------------------------------------------------------
+
+
+class Model(NamedTuple):
+    first_fn: Any  # (params, x) -> (h, params)
+    stage_fn: Any  # (params, h) -> (h, params): a unit under 'stage/'
+    last_fn: Any  # (params, h, targets) -> ((loss, aux), params)
+    loss_fn: Any  # (params, x, targets) -> ((loss, aux), params) over the flat params
+    units: list  # the flat model's units, s0/ .. s{n-1}/
+    rngs: list  # every Rng of the flat model
+    stage_rng: Any
+    shared_rng: Any
+
+
+class _Counter(bx.Module):
+    """Non-trainable state threaded through the microbatches: a call count and a
+    running mean of the input."""
+
+    def __call__(self, params, h):
+        n, params = self.get_param(
+            params, "calls", (), jax.nn.initializers.zeros, dtype=jnp.int32, trainable=False
+        )
+        mu, params = self.get_param(
+            params, "mean", (h.shape[-1],), jax.nn.initializers.zeros, trainable=False
+        )
+        params = self.set_param(params, "calls", n + 1)
+        mean = jnp.mean(h.astype(jnp.float32), axis=0)
+        return h, self.set_param(params, "mean", 0.9 * mu + 0.1 * mean)
+
+
+def _unit(root: str, feature: Feature):
+    """One unit at Graph(root): ``h + tanh(row(tanh(col(h))))`` then the feature's layer."""
+    g = bx.Graph(root)
+    rng = bx.Rng(g / "rng")
+    dt = dict(dtype=feature.dtype, param_dtype=feature.param_dtype)
+    col = bp.ColumnParallelLinear(g / "col", HIDDEN, rng, **dt)
+    row = bp.RowParallelLinear(g / "row", WIDTH, rng, **dt)
+    layer = {
+        "dropout": lambda: bx.Dropout(g / "drop", 0.5, rng),
+        "batchnorm": lambda: bx.BatchNorm(g / "bn"),
+        "counter": lambda: _Counter(g / "count"),
+        "": lambda: None,
+    }[feature.unit]()
+
+    def unit(params, h):
+        z, params = bp.fsdp_call(col, params, h)
+        z, params = bp.fsdp_call(row, params, jnp.tanh(z))
+        if layer is not None:
+            z, params = layer(params, z)
+        return h + jnp.tanh(z).astype(h.dtype), params
+
+    return unit, rng
+
+
+def model(feature: Feature, n_units: int) -> Model:
+    return _model(feature.model_key, n_units)
+
+
+@functools.cache
+def _model(feature: Feature, n_units: int) -> Model:
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    dt = dict(dtype=feature.dtype, param_dtype=feature.param_dtype)
+    embed = bx.Linear(g / "embed", WIDTH, rng, **dt)
+    head = bx.Linear(g / "head", OUT, rng, **dt)
+
+    def first_fn(params, x):
+        h, params = bp.fsdp_call(embed, params, x)
+        if feature.shared_rng:
+            key, params = rng(params)
+            h = h + (0.1 * jax.random.normal(key, h.shape)).astype(h.dtype)
+        return h, params
+
+    def last_fn(params, h, targets):
+        out, params = bp.fsdp_call(head, params, h)
+        err = jnp.sum((out.astype(jnp.float32) - targets["y"]) ** 2, axis=-1)
+        if feature.weighted:
+            mask = targets["mask"]
+            n = jnp.sum(mask.astype(jnp.int32))
+            loss = jnp.sum(jnp.where(mask, err, 0.0)) / jnp.maximum(n, 1).astype(jnp.float32)
+            aux = {"weight": n}
+        else:
+            loss, aux = jnp.mean(err), {}
+        if feature.shared_rng:
+            key, params = rng(params)
+            loss = loss * (1.0 + 0.5 * jax.random.uniform(key))
+        return (loss, aux), params
+
+    stage_fn, stage_rng = _unit("stage", feature)
+    flat = [_unit(f"s{i}", feature) for i in range(n_units)]
+    units = [u for u, _ in flat]
+
+    def loss_fn(params, x, targets):
+        h, params = first_fn(params, x)
+        for u in units:
+            h, params = u(params, h)
+        return last_fn(params, h, targets)
+
+    return Model(
+        first_fn, stage_fn, last_fn, loss_fn, units, [rng] + [r for _, r in flat], stage_rng, rng
+    )
+
+
+def _data():
+    r = np.random.default_rng(0)
+    x = r.normal(size=(B, D_IN)).astype(np.float32)
+    y = r.normal(size=(B, OUT)).astype(np.float32)
+    # Rows 2 and 3 are padding: an all-padding microbatch wherever the microbatches hold
+    # 2 rows (DP x PP, accumulation over 2 shards), uneven weights elsewhere.
+    mask = np.array([1, 1, 0, 0, 1, 0, 1, 1], bool)
+    return x, {"y": y, "mask": mask}
+
+
+def init(feature: Feature, n_units: int):
+    return _init(feature.model_key, n_units)
+
+
+@functools.cache
+def _init(feature: Feature, n_units: int):
+    """``(shared, stages)`` in the pipeline layout (host NumPy leaves) and the same
+    values as one flat `Params` (``net/``, ``s0/``, ...)."""
+    m = model(feature, n_units)
+    x, t = _data()
+
+    def make():
+        shared = m.shared_rng.seed(bx.Params(), seed=0)
+        h, shared = m.first_fn(shared, jnp.asarray(x[:2]))
+        _, shared = m.last_fn(shared, h, jax.tree.map(lambda a: jnp.asarray(a[:2]), t))
+        stages = []
+        for s in range(n_units):
+            p = m.stage_rng.seed(bx.Params(), seed=10 + s)
+            stages.append(m.stage_fn(p, h)[1].locked())
+        return shared.locked(), stages
+
+    shared, stages = jax.tree.map(np.asarray, jax.jit(make)())
+    return shared, stages, to_flat(shared, stages)
+
+
+def to_flat(shared: bx.Params, stages: list) -> bx.Params:
+    tree = dict(bx.to_dict(shared, with_info=True))
+    for s, st in enumerate(stages):
+        tree[f"s{s}"] = bx.to_dict(st, with_info=True)["stage"]
+    return bx.from_dict(tree).locked()
+
+
+def from_flat(flat: bx.Params, n_units: int) -> tuple[bx.Params, list]:
+    tree = bx.to_dict(flat, with_info=True)
+    shared = bx.from_dict({"net": tree["net"]})
+    stages = [bx.from_dict({"stage": tree[f"s{s}"]}) for s in range(n_units)]
+    return shared, stages
+
+
+# -- the reference -------------------------------------------------------------------------
+
+
+def _rows(tree, lo, hi):
+    return jax.tree.map(lambda a: a[lo:hi], tree)
+
+
+def reference(feature: Feature, n_units: int, data: int, k: int, folds: bool):
+    return _reference(feature.model_key, n_units, data, k, folds)
+
+
+@functools.cache
+def _reference(feature: Feature, n_units: int, data: int, k: int, folds: bool):
+    """The cell's expected ``(loss, grads, state)`` on one device, from the semantics:
+    the batch cut into `data` shards of `k` microbatches; per shard the seeds folded by
+    its index (`folds`) and the state threaded through its microbatches in order; the
+    loss the mean of the parts (weighted by ``aux['weight']``, a weight-0 part
+    contributing 0); floating state averaged over the shards, integer state equal on all
+    shards (checked)."""
+    m = model(feature, n_units)
+    _, _, flat = init(feature, n_units)
+    x, t = _data()
+    rows = B // (data * k)
+
+    def total(trainable, state):
+        parts, finals = [], []
+        for d in range(data):
+            st = state
+            seeds = []
+            if folds:
+                p = trainable.merge(st)
+                for r in m.rngs:
+                    seeds.append(r.get_seed(p))
+                    p = r.seed(p, seed=jax.random.fold_in(r.get_seed(p), d))
+                st = p.split()[1]
+            for j in range(k):
+                lo = (d * k + j) * rows
+                (loss, aux), p = m.loss_fn(
+                    trainable.merge(st), jnp.asarray(x[lo : lo + rows]), _rows(t, lo, lo + rows)
+                )
+                st = p.split()[1]
+                w = aux.get("weight")
+                parts.append((loss, None if w is None else w.astype(jnp.float32)))
+            p = trainable.merge(st)
+            for r, s in zip(m.rngs, seeds, strict=False):
+                p = r.seed(p, seed=s)
+            finals.append(p.split()[1])
+        if feature.weighted:
+            num = sum(jnp.where(w > 0, loss * w, 0.0) for loss, w in parts)
+            den = sum(w for _, w in parts)
+            loss = num / den
+        else:
+            loss = sum(loss for loss, _ in parts) / len(parts)
+        leaves = [jax.tree.leaves(f) for f in finals]
+        mean = []
+        for vals in zip(*leaves, strict=True):
+            if jnp.issubdtype(vals[0].dtype, jnp.floating):
+                mean.append(sum(vals) / len(vals))
+            else:
+                mean.append(jnp.stack(vals))  # every shard's, checked equal below
+        return loss, jax.tree.unflatten(jax.tree.structure(finals[0]), mean)
+
+    trainable, state = flat.split()
+    with jax.default_matmul_precision("highest"):
+        (loss, st), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(trainable, state)
+    for key, v in st.arrays().items():
+        if not jnp.issubdtype(v.dtype, jnp.floating):
+            v = np.asarray(v)
+            assert (v == v[0]).all(), (key, v)  # integer state equal on every shard
+    st = jax.tree.map(lambda v: v if jnp.issubdtype(v.dtype, jnp.floating) else v[0], st)
+    return loss, grads, st
+
+
+# -- the paths -----------------------------------------------------------------------------
+
+
+def _mesh(path: PathSpec):
+    names = tuple(a for a, _ in path.mesh)
+    shape = tuple(n for _, n in path.mesh)
+    return jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+
+
+def _tp_rules():
+    return [
+        ("col/kernel", (None, "model")),
+        ("col/bias", ("model",)),
+        ("row/kernel", ("model", None)),
+        (".*", None),
+    ]
+
+
+def _put(tree, specs, mesh):
+    return jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+        tree,
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+@functools.cache
+def run(feature: Feature, path: PathSpec):
+    """The path's ``(loss, grads, state)`` after one step (grads None for step paths)
+    and, for step paths, the params after one SGD step."""
+    n = path.units
+    m = model(feature, n)
+    shared, stages, flat = init(feature, n)
+    x, t = _data()
+    k = path.k * feature.micro
+    tx = optax.sgd(LR)
+    rngs = m.rngs if feature.list_rngs else []
+    with jax.default_matmul_precision("highest"):
+        if path.schedule is None:
+            return _run_step(path, m, flat, x, t, k, tx, rngs)
+        return _run_pipeline(path, m, shared, stages, x, t, k)
+
+
+def _run_step(path, m, flat, x, t, k, tx, rngs):
+    if not path.mesh:
+        step = jax.jit(bx.make_train_step(m.loss_fn, tx, has_aux=True, accumulation_steps=k))
+        params = jax.device_put(flat)
+        new, _, metrics = step(params, tx.init(params.split()[0]), x, t)
+        return metrics["loss"], None, new
+    mesh = _mesh(path)
+    if path.fsdp:
+        specs = bp.fsdp_specs(flat, mesh, min_size=16)
+        step = bp.make_fsdp_train_step(
+            m.loss_fn, tx, mesh, specs, microbatches=k, has_aux=True, rngs=rngs
+        )
+    else:
+        rules = _tp_rules() if path.tp else [(".*", None)]
+        specs = bp.param_specs(flat, rules, mesh)
+        step = bp.make_dp_train_step(
+            m.loss_fn, tx, mesh, microbatches=k, has_aux=True, param_specs=specs, rngs=rngs
+        )
+    params = _put(flat, specs, mesh)
+    opt = jax.device_put(tx.init(flat.split()[0]), NamedSharding(mesh, P()))
+    new, _, metrics = jax.jit(step)(params, opt, x, t)
+    return metrics["loss"], None, new
+
+
+def _run_pipeline(path, m, shared, stages, x, t, k):
+    mesh = _mesh(path)
+    v = path.v
+    one = stages[0]
+    specs = None
+    if path.tp:
+        specs = bp.param_specs(one, _tp_rules(), mesh)
+    if path.fsdp:
+        specs = bp.fsdp_specs(one, mesh, min_size=16)
+
+    def last_fn(params, h, targets):
+        (loss, _), params = m.last_fn(params, h, targets)
+        return loss, params
+
+    step = bp.pipeline_value_and_grad(
+        m.stage_fn,
+        last_fn,
+        mesh,
+        schedule=path.schedule,
+        num_microbatches=k,
+        first_fn=m.first_fn,
+        data_axis="data" if path.data > 1 or "data" in dict(path.mesh) else None,
+        stage_specs=specs,
+        virtual_stages=v if v > 1 else None,
+    )
+    stacked = bp.stack_stages(list(stages), virtual_stages=v)
+    loss, (g, g_sh), (new_st, new_sh) = jax.jit(step)(stacked, shared, x, t)
+    grads = to_flat(g_sh, bp.unstack_stages(g, virtual_stages=v))
+    state = to_flat(
+        new_sh.split()[1], [s.split()[1] for s in bp.unstack_stages(new_st, virtual_stages=v)]
+    )
+    return loss, grads, state
+
+
+# -- the cells -----------------------------------------------------------------------------
+
+
+def _close(got, want, what, t):
+    got, want = dict(got.arrays()), dict(want.arrays())
+    assert got.keys() == want.keys(), (what, sorted(got.keys() ^ want.keys()))
+    for key in want:
+        a, b = np.asarray(got[key]), np.asarray(want[key])
+        if jnp.issubdtype(b.dtype, jnp.floating):
+            assert a.dtype == b.dtype, (what, key, a.dtype, b.dtype)
+            np.testing.assert_allclose(
+                a, b, **t, err_msg=f"{what} {'/'.join(key)}: path vs reference"
+            )
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=f"{what} {'/'.join(key)}")
+
+
+@pytest.mark.standard_promotion  # Optax's updates mix Python floats and int32 counts
+@pytest.mark.parametrize("cell", CELLS, ids=[f"{c.feature.name}-{c.path.name}" for c in CELLS])
+def test_cell(cell: Cell):
+    f, p = cell.feature, cell.path
+    if cell.error is not None:
+        with pytest.raises(cell.error[0], match=cell.error[1]):
+            run(f, p)
+        return
+    t = f.tol()
+    ref_loss, ref_grads, ref_state = reference(f, p.units, p.data, p.k * f.micro, p.folds)
+    loss, grads, state = run(f, p)
+    np.testing.assert_allclose(float(loss), float(ref_loss), **t, err_msg="loss")
+    if grads is not None:  # a pipeline: gradients and state
+        _close(grads, ref_grads, "gradient", t)
+        _close(state, ref_state, "state", t)
+    else:  # a train step: the params after one SGD step, and the state
+        _, _, flat = init(f, p.units)
+        tr = flat.split()[0]
+        want = jax.tree.map(lambda a, g: a - LR * g, tr, ref_grads)
+        _close(state.split()[0], want, "params after one SGD step", t)
+        _close(state.split()[1], ref_state, "state", t)
+
+
+# -- the docs ------------------------------------------------------------------------------
+
+
+def _short(cell: Cell) -> str:
+    """The cell as the matrix prints it."""
+    f, p = cell.feature, cell.path
+    if (f.name, p.name) in PENDING:
+        return f"pending ({PENDING[f.name, p.name]})"
+    if cell.error is not None:
+        return f"raises `{cell.error[0].__name__}`"
+    return f"= {p.data}x{p.k * f.micro}" + (" f" if p.folds and f.list_rngs else "")
+
+
+_INTRO = """\
+# The composition matrix: every stateful feature on every path
+
+Each path of blox (one device, accumulation, DP, FSDP, TP, every pipeline schedule and
+their products) holds in its own tests. This page is the matrix of their seams: every
+*stateful feature* of a model (rows) trained on every *path* (columns). A cell runs one
+step of the path and compares its loss, its gradients (or the params after one SGD step
+of rate 1) and its non-trainable state (RNG counters and seeds, BatchNorm statistics,
+call counts) with a reference computed on one device from the cell's semantics, in
+plain `jax.value_and_grad`. `tests/test_composition_matrix.py` holds the table this
+page is generated from and fails when the two differ
+(`python -m tests.test_composition_matrix > docs/composition.md` rewrites the page).
+
+The model of each row: `first_fn` (an embedding `Linear`), 2 identical units (4 for the
+interleaved schedule: 2 stages x 2 chunks) of a column-parallel and a row-parallel
+`Linear` plus the row's layer, with a residual, and `last_fn` (a head `Linear` and the
+loss). A unit is a pipeline stage; the paths that take one `Params` hold the units at
+`s0/`, `s1/`, ... with the same values. The tensor-parallel layers compute the global
+math outside a `shard_map` over `model`, and every layer is called through
+`bp.fsdp_call` (a plain call outside FSDP), so one model serves every path. The batch
+has 8 rows.
+"""
+
+_SAME = """\
+## Reading a cell
+
+`= D x k` means: equal to the one-device reference that cuts the batch into `D` data
+shards of `k` microbatches each (contiguous rows, shard-major), runs every shard's
+microbatches in order on one device with the non-trainable state threaded through them,
+and then takes
+
+* the loss and the gradients: the mean over all `D k` parts (weighted by
+  `aux['weight']` when the loss reports one; a part of weight 0 contributes 0);
+* floating state (BatchNorm statistics, running means): the mean over the shards of
+  each shard's final state; integer state (RNG counters, call counts): each shard's
+  final state, which must be equal on all shards;
+* `f`: every `Rng` seed folded by the shard's index (`jax.random.fold_in(seed, d)`) for
+  the shard's forward passes and restored after; without `f`, the seeds as stored.
+
+`raises E`: the cell cannot compose, and the step raises `E` with a message that names
+the cause and the fix. `pending (item N)`: the cell fails on today's tree, a defect
+whose fix (issue 34 item N) has not landed; the test leaves it out until it does.
+
+Tolerances: float32 cells to `rtol=1e-5, atol=1e-6`, bf16 cells to `rtol=atol=2e-2`
+(`tests/tolerances.py`); the BatchNorm row to `rtol=1e-4` (the statistics of 2-row
+microbatches amplify the rounding of a tensor-parallel `psum`).
+"""
+
+_DIFFER = """\
+## Where paths differ on purpose
+
+* **Dropout and every other draw on a data axis** (DP, FSDP, TP, DP x PP, FSDP x PP,
+  DP x TP x PP): the step folds the data-shard index into the seed of every `Rng` in
+  `rngs=`, so the shards draw different masks; one device (and a pipeline without a
+  data axis) draws from the stored seed. The reference runs each shard on one device
+  with `fold_in(seed, d)`. The model axis is never folded: tensor-parallel shards hold
+  parts of the same rows and drop the same activations. A data axis of size 1 (the TP
+  column) still folds index 0, so it differs from one device too.
+* **BatchNorm without `axis_name`** normalizes each shard (and each microbatch) with
+  its own statistics, so its loss and gradients are those of the per-shard runs, and
+  its running statistics are the mean over the shards of each shard's one-device
+  statistics. `BatchNorm(axis_name='data')` would average the statistics over the
+  shards instead (`docs/parallel.md`); it is not a row here, because one device has no
+  `data` axis to bind.
+* **Accumulation and pipeline microbatches** run the microbatches of a shard in order:
+  BatchNorm sees one microbatch at a time, counters advance once per microbatch, and
+  the loss is the mean (or the weighted mean) of the microbatch losses.
+* **An `Rng` left out of `rngs=`** on a data axis would draw the same masks on every
+  shard: the steps raise, naming the `Rng` and `rngs=`.
+"""
+
+
+def render_doc() -> str:
+    """docs/composition.md as the table says it."""
+    out = [_INTRO, "## Rows: the stateful features", ""]
+    out += ["| feature | the model | semantics on every path |", "|---|---|---|"]
+    out += [f"| `{f.name}` | {f.title} | {f.semantics} |" for f in FEATURES]
+    out += ["", "## Columns: the paths", ""]
+    out += ["| path | the step | data shards x microbatches, seeds |", "|---|---|---|"]
+    out += [f"| `{p.name}` | `{p.title}` | {p.semantics} |" for p in PATHS]
+    out += ["", "## The matrix", ""]
+    out += ["| feature | " + " | ".join(f"`{p.name}`" for p in PATHS) + " |"]
+    out += ["|---" * (len(PATHS) + 1) + "|"]
+    every = [Cell(f, p, ERRORS.get((f.name, p.name))) for f in FEATURES for p in PATHS]
+    for f in FEATURES:
+        row = [_short(c) for c in every if c.feature is f]
+        out += [f"| `{f.name}` | " + " | ".join(row) + " |"]
+    errors: dict[tuple, list] = {}
+    for c in every:
+        if c.error is not None:
+            errors.setdefault((c.feature.name, *c.error[:1], c.error[2]), []).append(c.path.name)
+    if errors:
+        out += ["", "Cells that cannot compose raise, and say why:", ""]
+        out += [
+            f"* `{name}` on {', '.join(f'`{p}`' for p in paths)}: `{exc.__name__}`, because {why}."
+            for (name, exc, why), paths in errors.items()
+        ]
+    out += ["", _SAME, _DIFFER]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def test_doc_matches_the_table():
+    """docs/composition.md is the table: a cell changed here and not there fails."""
+    assert DOC.read_text() == render_doc(), (
+        "docs/composition.md differs from the table in tests/test_composition_matrix.py; "
+        "rewrite it: python -m tests.test_composition_matrix > docs/composition.md"
+    )
+
+
+if __name__ == "__main__":
+    print(render_doc(), end="")
