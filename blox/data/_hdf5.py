@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import logging
 import math
 import os
@@ -138,6 +139,37 @@ def _dataset_names(handle: h5py.File) -> list[str]:
     return found
 
 
+@dataclasses.dataclass(frozen=True)
+class _Stamp:
+    """What identifies the bytes of a file as indexed: size, modification time, inode."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, file: str) -> _Stamp:
+        st = os.stat(file)
+        return cls(size=int(st.st_size), mtime_ns=int(st.st_mtime_ns), inode=int(st.st_ino))
+
+    def changes(self, now: _Stamp) -> str:
+        """What differs from `now`, in words (empty when nothing does)."""
+        out = []
+        if now.size != self.size:
+            out.append(f"size {self.size} -> {now.size} bytes")
+        if now.mtime_ns != self.mtime_ns:
+            out.append(f"modified at {_when(now.mtime_ns)} (indexed as {_when(self.mtime_ns)})")
+        if now.inode != self.inode:
+            out.append(f"inode {self.inode} -> {now.inode} (replaced by another file)")
+        return ", ".join(out)
+
+
+def _when(ns: int) -> str:
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.UTC).isoformat(
+        timespec="microseconds"
+    )
+
+
 class HDF5Index:
     """Where each requested dataset of each HDF5 file lives; reads rows of them.
 
@@ -151,6 +183,18 @@ class HDF5Index:
     stay within the OS limit on open files (``ulimit -n``: 256 on macOS, 1024 on Linux).
     Nothing open is pickled: an index sent to a Grain worker process reopens what it
     needs there, so it is safe with ``mp_prefetch`` and ``grain.DataLoader`` workers.
+
+    **Files changed after indexing**: the byte offsets (and shapes) hold for the files
+    as they were indexed. Each file's size, modification time (``st_mtime_ns``) and inode
+    are recorded here, and each process checks them whenever it opens the file (its
+    first read, and again after `close` or after the file left the `max_open_files`
+    window), not on every read: a Grain worker checks its pickled copy against the file
+    on disk. A file that changed (rewritten, replaced, appended to) raises a
+    ``ValueError`` naming the file and what changed; `reindex` (or building the index
+    again) records the files as they are now. A file changed while a process holds it
+    open is not seen until that process reopens it (`close` forces that), nor is a
+    rewrite that keeps the size and inode within the file system's timestamp
+    granularity.
 
     Files that need h5py get one logged notice each per process (logger
     ``'blox.data'``, level WARNING; a second index over the same file logs nothing);
@@ -175,10 +219,11 @@ class HDF5Index:
         (>= 1).
       cache_bytes: the in-memory cache's size per process in bytes (0: no cache).
 
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for a file that is
-    not HDF5, a missing dataset, a group given as a dataset, a dataset that does not
-    hold numbers, or (``mmap_only``) a chunked/compressed dataset; each message names
-    the file, the dataset and the fix.
+    Raises ``FileNotFoundError`` for a missing file (also when a file indexed here is
+    gone at a later open) and ``ValueError`` for a file changed since it was indexed
+    (at open), a file that is not HDF5, a missing dataset, a group given as a dataset,
+    a dataset that does not hold numbers, or (``mmap_only``) a chunked/compressed
+    dataset; each message names the file, the dataset and the fix.
 
     >>> import h5py, numpy as np, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), 'run.h5')
@@ -225,6 +270,7 @@ class HDF5Index:
         self.mmap_only = bool(mmap_only)
         self.max_open_files = int(max_open_files)
         self.cache_bytes = int(cache_bytes)
+        self._stamps: list[_Stamp] = []
         self._infos: list[dict[str, DatasetInfo]] = [self._scan(f) for f in self.files]
         self._reset()
 
@@ -245,6 +291,7 @@ class HDF5Index:
                 f"HDF5 file {file!r} does not exist (looked from the working directory "
                 f"{os.getcwd()!r}). Check the path, or pass an absolute one."
             )
+        stamp = _Stamp.of(file)  # before reading: a later change is then seen at open
         try:
             handle = h5py.File(file, "r")
         except OSError as e:
@@ -279,6 +326,7 @@ class HDF5Index:
                 f"be memory-mapped (mmap_only=True). {_REWRITE.format(file=file, name=i.name)} "
                 "Or pass mmap_only=False to read it through h5py (slower)."
             )
+        self._stamps.append(stamp)
         real = os.path.realpath(file)
         with _NOTICED_LOCK:
             slow = [i for i in slow if (real, i.name) not in _NOTICED]
@@ -311,6 +359,7 @@ class HDF5Index:
                 self._open.move_to_end(key)
                 return entry
             kind, file = key
+            self._verify(file)
             if kind == "map":
                 entry = (np.memmap(self.files[file], dtype=np.uint8, mode="r"), {})
             else:
@@ -321,6 +370,37 @@ class HDF5Index:
                 # keep it alive); an h5py file closes when its last dataset object goes.
                 self._open.popitem(last=False)
             return entry
+
+    def _verify(self, file: int) -> None:
+        """Raises when file number `file` is no longer the file that was indexed."""
+        path = self.files[file]
+        try:
+            now = _Stamp.of(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"HDF5 file {path!r} was indexed but is gone (moved or deleted). Put it "
+                "back, or build the source again without it."
+            ) from None
+        changes = self._stamps[file].changes(now)
+        if changes:
+            raise ValueError(
+                f"HDF5 file {path!r} changed after it was indexed ({changes}): the byte "
+                "offsets and shapes recorded then would read other bytes now. Re-index it "
+                "in the main process: source = source.reindex() (a WindowedSource or "
+                "HDF5Index; or build it again), then build the pipeline again from it "
+                "(worker processes hold a pickled copy of the old index)."
+            )
+
+    def reindex(self) -> HDF5Index:
+        """A new index of the same files and datasets, with the same options, as they
+        are now (the offsets, shapes and file stamps recorded again)."""
+        return HDF5Index(
+            self.files,
+            self.datasets,
+            mmap_only=self.mmap_only,
+            max_open_files=self.max_open_files,
+            cache_bytes=self.cache_bytes,
+        )
 
     def _cached_array(self, file: int, name: str, info: DatasetInfo) -> np.ndarray | None:
         if not self.cache_bytes or info.memmap:

@@ -70,6 +70,9 @@ class WindowedSource:
         memory after their first read, up to this many bytes per process (see
         `HDF5Index`; 0: no cache).
 
+    A file changed after this source was built raises when a process opens it (see
+    `HDF5Index`); `reindex` gives a source over the files as they are now.
+
     Every check runs here, at construction, so bad files fail before training starts
     rather than at the first read in a worker process. Raises ``ValueError`` naming the
     file and dataset for: a missing dataset, a dataset that does not hold numbers
@@ -105,6 +108,7 @@ class WindowedSource:
         cache_bytes: int = 0,
     ):
         self.signals = _signal_map(signals)
+        self._dtype_arg = dtype
         names = list(dict.fromkeys(n for group in self.signals.values() for n in group))
         self.index = HDF5Index(
             files,
@@ -295,6 +299,21 @@ class WindowedSource:
         for f, length in enumerate(self.lengths):
             for start in range(0, length, block_rows):
                 yield self.read(f, start, min(start + block_rows, length), dtype=dtype)
+
+    def reindex(self) -> WindowedSource:
+        """A new source over the same files with the same arguments, indexed as the files
+        are now (after they changed: reads of this one raise then; see `HDF5Index`).
+        Build the pipeline again from the new source."""
+        return WindowedSource(
+            self.files,
+            self.signals,
+            window=self.window,
+            stride=self.stride,
+            dtype=self._dtype_arg,
+            mmap_only=self.index.mmap_only,
+            max_open_files=self.index.max_open_files,
+            cache_bytes=self.index.cache_bytes,
+        )
 
     def describe_sample(self, signal: str, row: int, channel: int) -> str:
         """Where value ``[row, channel]`` of signal `signal`'s `blocks` stream comes from,

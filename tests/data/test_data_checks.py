@@ -3,9 +3,12 @@ in-memory cache, one notice per file, build-time reads and a quiet exit with wor
 
 import logging
 import os
+import pickle
+import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import h5py
 import numpy as np
@@ -268,3 +271,82 @@ def test_no_exception_ignored_at_exit_after_close():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "12"
     assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
+
+
+# -- issue 34 item 10: files changed after indexing ------------------------------------
+
+
+def _rewrite(path, how, u, y):
+    """Rewrites `path` with the same dataset names and a new layout or content."""
+    time.sleep(0.02)  # a later rewrite, also on file systems with coarse timestamps
+    if how == "swapped":  # same size and inode: y stored first, so the offsets swap
+        with h5py.File(path, "w") as f:
+            f.create_dataset("y", data=y)
+            f.create_dataset("u", data=u)
+    elif how == "replaced":  # written elsewhere and moved over it: a new inode
+        write_h5(path + ".new", {"y": y, "u": u})
+        os.replace(path + ".new", path)
+    else:  # "longer": appended rows, a new size
+        u, y = np.concatenate([u, u]), np.concatenate([y, y])
+        write_h5(path, {"u": u, "y": y})
+    return u, y
+
+
+@pytest.mark.parametrize("how", ["swapped", "replaced", "longer"])
+def test_a_file_changed_after_indexing_raises_at_open(tmp_path, how):
+    u, y = np.arange(12.0), -100.0 - np.arange(12.0)
+    path = write_h5(tmp_path / "run.h5", {"u": u, "y": y})
+    src = WindowedSource([path], ["u", "y"], window=4, stride=4)
+    shipped = pickle.dumps(src)  # what Grain sends a worker process, before any read
+    np.testing.assert_array_equal(src[1]["u"][:, 0], u[4:8])
+    src.index.close()
+    u2, y2 = _rewrite(path, how, u + 1000.0, y - 1000.0)
+    changed = {"swapped": "modified at", "replaced": "inode", "longer": "size 2[0-9]+ -> "}
+    match = rf"HDF5 file '{re.escape(path)}' changed after it was indexed \(.*{changed[how]}"
+    # before issue 34 these read the old offsets: y's bytes (or the new u) as u, silently
+    with pytest.raises(ValueError, match=match + r".*source\.reindex\(\)"):
+        src[1]
+    worker = pickle.loads(shipped)  # a worker's first open checks the pickled index
+    with pytest.raises(ValueError, match=match + r".*pickled copy of the old index"):
+        worker[0]
+    fresh = src.reindex()
+    assert fresh.lengths == (len(u2),) and len(fresh) == len(u2) // 4
+    np.testing.assert_array_equal(fresh[1]["u"][:, 0], u2[4:8])
+    np.testing.assert_array_equal(fresh[1]["y"][:, 0], y2[4:8])
+    index = HDF5Index([path], ["y"], max_open_files=1).reindex()
+    np.testing.assert_array_equal(index.read(0, "y", 2, 5), y2[2:5])
+
+
+def test_a_changed_file_raises_through_the_cache(tmp_path):
+    u, y = np.arange(20.0), np.arange(20.0) * 3
+    path = write_h5(tmp_path / "z.h5", {"u": u, "y": y}, chunked=True)
+    src = WindowedSource([path], ["u", "y"], window=5, stride=5, cache_bytes=1 << 20)
+    ds = pipeline(src, batch_size=2)  # reads item 0 at build: file 0 opened and cached
+    # replaced (a rewrite in place by another process reads the same; HDF5 refuses it
+    # from this one, which holds the file open)
+    u2, _ = _rewrite(path, "replaced", u[::-1].copy(), y[::-1].copy())
+    # the cache already holds the indexed content (read before the change): still right
+    first = next(iter(ds))
+    np.testing.assert_array_equal(first["u"][:, :, 0], [u[0:5], u[5:10]])
+    # a new process's cache (a pickled source) fills from the file: checked at that open
+    with pytest.raises(ValueError, match=r"z\.h5' changed after it was indexed \(.*inode"):
+        pickle.loads(pickle.dumps(src))[0]
+    src.index.close()  # this process reopens it at the next read, and checks it
+    with pytest.raises(ValueError, match=r"changed after it was indexed"):
+        src[0]
+    np.testing.assert_array_equal(src.reindex()[3]["u"][:, 0], u2[15:20])
+
+
+@pytest.mark.slow
+def test_a_grain_worker_checks_a_changed_file(tmp_path):
+    u, y = np.arange(20.0), np.arange(20.0) * 3
+    path = write_h5(tmp_path / "w.h5", {"u": u, "y": y})
+    src = WindowedSource([path], ["u", "y"], window=5, stride=5)
+    workers = pipeline(src, batch_size=2, num_workers=1)  # reads item 0 here, at build
+    _rewrite(path, "swapped", u, y)  # the same bytes, y first: u's offset now holds y
+    it = iter(workers)
+    try:  # the spawned worker's first open of the file raises there; Grain passes it on
+        with pytest.raises(ValueError, match=r"w\.h5' changed after it was indexed"):
+            next(it)
+    finally:
+        it.close()
