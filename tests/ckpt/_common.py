@@ -68,4 +68,33 @@ def tree_equal(a, b) -> None:
         assert xa.tobytes() == ya.tobytes(), name
 
 
-__all__ = ["build", "init", "batch", "make_step", "tree_equal", "jnp", "optax"]
+def data_files(directory, step: int) -> list:
+    """The OCDBT data files of a step, largest first (an incompressible array of a few KB
+    that is larger than the rest of the state gets the largest one)."""
+    from pathlib import Path
+
+    files = list(Path(directory, str(step), "state").glob("ocdbt.process_*/d/*"))
+    return sorted(files, key=lambda f: f.stat().st_size, reverse=True)
+
+
+def flip_bytes(directory, step: int, count: int = 64) -> None:
+    """Flips `count` bytes in the middle of the step's largest data file (a disk error)."""
+    biggest = data_files(directory, step)[0]
+    data = bytearray(biggest.read_bytes())
+    middle = len(data) // 2
+    for i in range(middle, middle + count):
+        data[i] ^= 0xFF
+    biggest.write_bytes(bytes(data))
+
+
+__all__ = [
+    "build",
+    "init",
+    "batch",
+    "make_step",
+    "tree_equal",
+    "data_files",
+    "flip_bytes",
+    "jnp",
+    "optax",
+]
