@@ -9,7 +9,8 @@ reported steps plus a random delay (fixed seed), i.e. while saves are in flight 
 remain, however loaded the machine is (with this seed the kills come after about 1 and 3
 steps; TOTAL leaves the last run several steps to train). The worker runs under strict
 dtype promotion, like the suite. The number of kills and steps is bounded to keep this
-test short on 2 idle cores."""
+test short on 2 idle cores. After each kill every committed step must hold its checksums
+(a restart restores it verified: `restore` raises on a step without them)."""
 
 from __future__ import annotations
 
@@ -98,6 +99,10 @@ def test_sigkill_during_async_saves_never_corrupts(tmp_path):
             rest, err = proc.communicate(timeout=120)
             assert proc.returncode == 0, err[-3000:]
         text = "".join(out_lines) + rest
+        # Every step committed so far holds its checksums (written inside the commit,
+        # issue 34 item 13), so the next restart restores it verified, never unchecked.
+        for s in _committed(directory):
+            assert (directory / str(s) / "blox" / "checksums.json").exists(), (attempt, s)
         m = re.search(r"^restored step=(\d+) digest=(\w+)$", text, re.M)
         if committed_before:
             # The restart restored the newest committed step, and it is intact.
