@@ -12,6 +12,11 @@ element-wise arithmetic (bit for bit whatever the layout: the random initializer
 partitionable Threefry, the made-up gradients are ``0.5 * w + 0.1``), and ``np.arange``
 for the split array.
 
+Each process also saves the position of its shard of a `blox.data.pipeline` (after
+STEP batches): restored by one process it raises naming both process counts (issue 34
+item 15), and ``data_from_step=True`` positions the one-process pipeline at batch STEP,
+whose next batch is the uninterrupted one-process pipeline's (the reference).
+
 This file is also the worker: ``python tests/ckpt/test_multiprocess_save.py DIR`` (under
 the launcher) saves the state into DIR.
 """
@@ -47,6 +52,16 @@ def _init():
     h, params = fc1(params, jnp.zeros((1, WIDTH)))
     _, params = fc2(params, h)
     return params.locked()
+
+
+def _data(shard_index=0, shard_count=1):
+    from blox.data import ArraySource, pipeline
+
+    source = ArraySource({"x": np.arange(64.0).reshape(32, 2)})
+    return pipeline(
+        source, batch_size=4, shuffle=True, seed=1, num_epochs=None, drop_remainder=True,
+        shard_index=shard_index, shard_count=shard_count, read_threads=0, prefetch=0,
+    )  # fmt: skip
 
 
 def _update(params, opt_state):
@@ -92,8 +107,11 @@ def worker(directory: str) -> None:
     state["step"] = STEP
     kernel = state["params"][("net", "fc1", "kernel")].value
     assert not kernel.is_fully_addressable  # the state really spans the processes
+    it = iter(_data(jax.process_index(), jax.process_count()))
+    for _ in range(STEP):
+        next(it)
     with ckpt.CheckpointManager(directory) as mngr:
-        mngr.save(STEP, state)
+        mngr.save(STEP, state, data_iterator=it)
     print(f"saved step {STEP} from process {jax.process_index()}", flush=True)
 
 
@@ -157,6 +175,15 @@ def test_saved_by_two_processes_restored_in_one(tmp_path):
                 assert leaf.sharding.mesh.shape == mesh.shape, name
         grid = restored["grid"]
         assert grid.addressable_shards[0].data.shape == ((1, 6) if "mesh" in layout else (8, 6))
+    # The data positions are one per process of the saving group.
+    it = iter(_data())
+    with pytest.raises(ValueError, match=f"step {STEP} was saved by 2 processes and is restored"):
+        mngr.restore(on_device, data_iterator=it)
+    mngr.restore(on_device, data_iterator=it, data_from_step=True)
+    reference = iter(_data())
+    for _ in range(STEP):
+        next(reference)
+    np.testing.assert_array_equal(next(it)["x"], next(reference)["x"])
     mngr.close()
 
 
