@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from blox.core import Params
+from blox.core import Params, format_path
 from blox.train import flat_cosine_schedule, make_train_step
 from blox.train._logging import _require
 from blox.ts._evaluate import evaluate_free_run, make_simulator
@@ -365,6 +365,94 @@ def _fit_schedule(steps, epochs, batches_per_epoch, tx, lr, clip, pct_start, eva
     return total, per_epoch, tx, eval_every, log_every, patience
 
 
+def _check_valid(model: Any, valid: Sequence[Mapping[str, ArrayLike]]) -> None:
+    """Refuses validation recordings that cannot be scored, before any training: one no
+    longer than the warm-up, NaN or inf in ``u`` or ``y``, a constant output channel."""
+    n_skip = int(model.n_skip)
+    scored = []
+    for i, rec in enumerate(valid):
+        if not isinstance(rec, Mapping) or "u" not in rec or "y" not in rec:
+            got = sorted(rec) if isinstance(rec, Mapping) else type(rec).__name__
+            raise ValueError(
+                f"fit_sysid: validation recording {i} must be a dict {{'u': [T, Cu], 'y': "
+                f"[T, Cy]}}, got {got} (e.g. blox.ts.read_recordings(files))."
+            )
+        u, y = np.asarray(rec["u"]), np.asarray(rec["y"])
+        t = u.shape[0] if u.ndim else 0
+        if t <= n_skip:
+            raise ValueError(
+                f"fit_sysid: validation recording {i} has {t} time steps, no more than the "
+                f"model's n_skip={n_skip} warm-up steps, so none of it is scored. Use "
+                f"recordings longer than {n_skip} steps, leave this one out, or build the "
+                "model with a smaller n_skip."
+            )
+        for name, x in (("u", u), ("y", y)):
+            if x.dtype.kind not in "fc":
+                continue
+            ok = np.isfinite(x)
+            if not ok.all():
+                where = np.unravel_index(int(np.argmin(ok)), x.shape)
+                chan = f", channel {int(where[1])}" if x.ndim > 1 else ""
+                raise ValueError(
+                    f"fit_sysid: validation recording {i}: {name!r} holds {x[where]} at time "
+                    f"step {int(where[0])}{chan} (the first of {int(ok.size - ok.sum())} "
+                    "non-finite values), so every free-run score would be nan. Fix or cut "
+                    "that part of the recording, or leave it out of valid=."
+                )
+        scored.append(np.asarray(y, np.float64).reshape(t, -1)[n_skip:])
+    if scored:
+        std = np.concatenate(scored).std(axis=0)
+        flat = np.flatnonzero(std == 0)
+        if flat.size:
+            raise ValueError(
+                f"fit_sysid: output channels {flat.tolist()} are constant over the scored "
+                f"steps (after n_skip={n_skip}) of every validation recording, so their "
+                "NRMSE (the error over the output's std) is undefined (nan) and the score "
+                "cannot rank params. Validate on recordings where every output moves."
+            )
+
+
+def _not_finite(params: Params) -> str | None:
+    """The path of the first trainable param holding NaN or inf, or None."""
+    for path, value in params.split()[0].arrays().items():
+        if not bool(jnp.all(jnp.isfinite(value))):
+            return format_path(path)
+    return None
+
+
+def _diverged(n: int, score: float, params: Params, sims: Sequence[np.ndarray],
+              best_step: int, best: float) -> ValueError:  # fmt: skip
+    """The error for a validation score that is not finite: why, and what to do."""
+    before = (
+        f"The best validation before it was at step {best_step} (score {best:.4g})."
+        if np.isfinite(best)
+        else "No validation before it scored."
+    )
+    path = _not_finite(params)
+    if path is not None:
+        why = (
+            f"training diverged: the params after step {n} hold NaN or inf (the first: "
+            f"'{path}'). Lower lr (or the peak of your tx), clip the gradients (clip=1.0), "
+            "and check the training data (blox.data.channel_stats names NaN or inf)."
+        )
+    else:
+        i, rec = next(
+            ((i, x) for i, x in enumerate(sims) if not np.isfinite(x).all()), (0, sims[0])
+        )
+        t = int(np.argmin(np.isfinite(rec).all(axis=-1))) if rec.ndim > 1 else 0
+        why = (
+            f"the params are finite, but the free run of validation recording {i} turns "
+            f"NaN or inf at time step {t}: the model's simulation blows up (e.g. an input "
+            "far outside the training range, or an autoregressive model feeding back "
+            "growing predictions). Check that recording's input, lower lr, or clip=1.0."
+        )
+    return ValueError(
+        f"fit_sysid: the free-run validation after step {n} scored {score} (not a finite "
+        f"number), so it cannot choose params: {why} {before} fit_sysid raises rather than "
+        "return params chosen without a valid score."
+    )
+
+
 def fit_sysid(
     model: Any,
     params: Params,
@@ -410,7 +498,14 @@ def fit_sysid(
     trained by epochs, else 100) and after the last step the whole validation
     recordings are simulated free-run (`evaluate_free_run`); the score is the mean NRMSE
     over output channels, the params of the best score are kept, and training stops
-    after `patience` validations without improvement. Batches with ``'is_first'``
+    after `patience` validations without improvement. A validation whose score is not
+    finite (NaN or inf) raises a ``ValueError`` at once, naming the step and why
+    (params that diverged, with the first non-finite param's path, or a free run that
+    blows up, with the recording and time step) and the best validation before it:
+    no params are chosen by such a score. The validation recordings are checked
+    before training: each must be longer than ``model.n_skip`` and hold finite ``u``
+    and ``y``, and no output channel may be constant over the scored steps (its NRMSE
+    would be undefined). Batches with ``'is_first'``
     (TBPTT order) carry the state from one batch to the next; other batches start fresh.
 
     Timing (as `blox.train.fit`): the first step is waited for and timed alone
@@ -457,7 +552,9 @@ def fit_sysid(
       TypeError: an Optax transformation given where the batches go (the optimizer is
         the keyword ``tx=``), or a non-numeric `lr`, `clip` or `pct_start`.
       ValueError: a bad budget, `tx` with `lr`/`clip`/`pct_start`, an unknown `loss`
-        or `select`, out-of-range settings, or batches that run out.
+        or `select`, out-of-range settings, batches that run out, a validation
+        recording no longer than ``model.n_skip``, with NaN or inf, or with a constant
+        output channel (before training), or a validation score that is not finite.
 
     Example::
 
@@ -471,6 +568,8 @@ def fit_sysid(
     total, per_epoch, tx, eval_every, log_every, patience = _fit_schedule(
         steps, epochs, batches_per_epoch, tx, lr, clip, pct_start, eval_every, log_every, patience
     )
+    if valid:
+        _check_valid(model, valid)
     bar = None
     if progress:
         bar = _require("tqdm", "fit_sysid(progress=True)").tqdm(
@@ -524,9 +623,11 @@ def fit_sysid(
                 continue
             clock.stop(params)
             t0 = time.perf_counter()
-            scores, _ = evaluate_free_run(model, params, valid, simulator=simulator)
+            scores, sims = evaluate_free_run(model, params, valid, simulator=simulator)
             clock.eval_s += time.perf_counter() - t0
             score = float(np.mean(scores["nrmse"]))
+            if not np.isfinite(score):
+                raise _diverged(n, score, params, sims, result.best_step, best)
             entry = {"step": n, "score": score, **{k: v.tolist() for k, v in scores.items()}}
             if per_epoch is not None:
                 entry["epoch"] = (n - 1) // per_epoch + 1
