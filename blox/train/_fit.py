@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blox.core import Params
+from blox.core._guards import check_no_new_params, check_placement
 from blox.train._logging import History, Logger, _require
 
 __all__ = ["Callback", "EarlyStopping", "FitResult", "FitState", "fit"]
@@ -323,8 +325,16 @@ def fit(
 
     Returns:
       A `FitResult`.
+
+    Raises:
+      ValueError: `step` returns params with a path the params given to it lack (a
+        layer first created in the loss: initialize the model and ``params.locked()``
+        first; `make_train_step` raises this itself at trace time), or `params` /
+        `opt_state` hold an array moved off a mesh with ``jax.device_put(x, device)``
+        (move it with `blox.parallel.place`).
     """
     _check_fit_args(train_data, epochs, steps_per_epoch, eval_every, log_every)
+    check_placement((params, opt_state), "fit")
     tqdm = _require("tqdm", "fit(progress=True)").tqdm if progress else None
     hooks = [cb if isinstance(cb, Callback) else _FunctionCallback(cb) for cb in callbacks]
     state = FitState(params, opt_state, has_eval=eval_fn is not None)
@@ -556,7 +566,11 @@ class _Run:
                 + (f" of length {len(out)}" if isinstance(out, tuple) else "")
                 + ". For a step with more state, fold it into opt_state."
             )
+        before = state.params
         state.params, state.opt_state, state.metrics = out
+        if isinstance(before, Params) and isinstance(out[0], Params):
+            if out[0]._struct is not before._struct:  # one identity test on the common path
+                check_no_new_params(before, out[0], "fit")
 
     def _step_end(self, bar: Any) -> None:
         state = self.state

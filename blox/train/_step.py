@@ -17,6 +17,7 @@ import optax
 from jax.typing import ArrayLike
 
 from blox.core import Params
+from blox.core._guards import check_no_new_params, check_reduce_dtype, to_reduce_dtype
 from blox.core._params import Path
 from blox.train._precision import DynamicLossScale, LossScaleState, Policy, all_finite
 
@@ -221,14 +222,19 @@ def _grad_fn(
     has_aux: bool,
     predicate: Predicate | None,
     policy: Policy | None,
+    where: str | None = None,
 ) -> Callable[..., Any]:
-    """``f(params, scale, *args) -> ((loss, aux), grads, params)``; `scale` may be None."""
+    """``f(params, scale, *args) -> ((loss, aux), grads, params)``; `scale` may be None.
+    With `where` (a train step), a parameter created by `loss_fn` raises, naming it."""
 
     def inner(trainable, non_trainable, scale, args):
         if policy is not None:
             trainable = policy.cast_to_compute(trainable)
             args = policy.cast_to_compute(args)
-        loss, aux, new_params = _unpack(loss_fn(trainable.merge(non_trainable), *args), has_aux)
+        given = trainable.merge(non_trainable)
+        loss, aux, new_params = _unpack(loss_fn(given, *args), has_aux)
+        if where is not None:
+            check_no_new_params(given, new_params, where)
         if policy is not None:
             loss = loss.astype(policy.output_dtype)
             if isinstance(aux, dict) and WEIGHT_KEY in aux:  # a count: keep it exact
@@ -355,31 +361,43 @@ def _split_microbatches(args: tuple, k: int, where: str) -> tuple:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _accumulate(fn: Callable[..., Any], k: int, where: str) -> Callable[..., Any]:
+def _accumulate(
+    fn: Callable[..., Any], k: int, where: str, reduce_dtype: Any = None
+) -> Callable[..., Any]:
     """Wraps ``fn(params, *args) -> (value, grads, params)`` to average over k splits
-    (weighted by the loss's weight when it reports one)."""
+    (weighted by the loss's weight when it reports one). The sums run in
+    `reduce_dtype` (`reduce_dtype_of`: float32 for bf16/fp16 values by default); the
+    gradients are returned in the dtypes `fn` gives them."""
+
+    def terms(value, grads):
+        return weighted_terms(
+            to_reduce_dtype(value, reduce_dtype), to_reduce_dtype(grads, reduce_dtype)
+        )
 
     def f(params, *args):
         micro = _split_microbatches(args, k, where)
         first = jax.tree.map(lambda x: x[0], micro)
         value_shape, grads_shape, _ = jax.eval_shape(fn, params, *first)
-        terms_shape = jax.eval_shape(weighted_terms, value_shape, grads_shape)
+        terms_shape = jax.eval_shape(terms, value_shape, grads_shape)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), terms_shape)
 
         def body(carry, mb):
             sums, p = carry
             value, grads, p = fn(p, *mb)
-            sums = jax.tree.map(jnp.add, sums, weighted_terms(value, grads))
+            sums = jax.tree.map(jnp.add, sums, terms(value, grads))
             return (sums, p), None
 
         (sums, params), _ = jax.lax.scan(body, (zeros, params), micro)
         value, grads = weighted_mean(*sums)
+        grads = jax.tree.map(lambda g, s: g.astype(s.dtype), grads, grads_shape)
         return value, grads, params
 
     return f
 
 
-def accumulate_gradients(grad_fn: Callable[..., Any], num_microbatches: int) -> Callable[..., Any]:
+def accumulate_gradients(
+    grad_fn: Callable[..., Any], num_microbatches: int, *, reduce_dtype: Any = None
+) -> Callable[..., Any]:
     """Gradient accumulation: the same call as `grad_fn`, over `num_microbatches` splits.
 
     `grad_fn` is what `value_and_grad` returns. Every leaf of every argument after
@@ -406,9 +424,15 @@ def accumulate_gradients(grad_fn: Callable[..., Any], num_microbatches: int) -> 
     Integer aux leaves (counts) are summed in both cases. The key ``'weight'`` in an aux
     dict is reserved for this: name any other metric differently.
 
+    The sums run in `reduce_dtype`: by default float32 for bf16/fp16 values (a sum of
+    ``k`` bf16 gradients in bf16 loses about ``log2(k)`` bits) and the values' own dtype
+    otherwise. The gradients are returned in the dtypes `grad_fn` gives them (their
+    params' dtypes), the loss and floating aux in `reduce_dtype`.
+
     Args:
       grad_fn: ``(params, *batch) -> (value, grads, params)``.
       num_microbatches: ``k``; must divide the leading axis of every batch leaf.
+      reduce_dtype: the floating dtype of the sums, or ``None`` (the rule above).
 
     Returns:
       ``f(params, *batch) -> (value, grads, params)``, the signature of `grad_fn`.
@@ -431,9 +455,10 @@ def accumulate_gradients(grad_fn: Callable[..., Any], num_microbatches: int) -> 
     4
     """
     k = _check_count(num_microbatches, "accumulate_gradients", "num_microbatches")
+    reduce_dtype = check_reduce_dtype(reduce_dtype, "accumulate_gradients")
     if k == 1:
         return grad_fn
-    return _accumulate(grad_fn, k, "accumulate_gradients")
+    return _accumulate(grad_fn, k, "accumulate_gradients", reduce_dtype)
 
 
 def _check_count(k: Any, where: str, name: str) -> int:
@@ -466,6 +491,7 @@ def make_train_step(
     accumulation_steps: int = 1,
     policy: Policy | None = None,
     loss_scale: DynamicLossScale | None = None,
+    reduce_dtype: Any = None,
 ) -> Callable[..., Any]:
     """Builds ``step(params, opt_state, *batch) -> (params, opt_state, metrics)``.
 
@@ -506,6 +532,14 @@ def make_train_step(
         (`accumulate_gradients`).
       policy: a mixed-precision `Policy`.
       loss_scale: dynamic loss scaling (see above).
+      reduce_dtype: the dtype of the sums over microbatches (default: float32 for
+        bf16/fp16 gradients; see `accumulate_gradients`).
+
+    Raises:
+      ValueError: (at trace time) `loss_fn` creates a parameter the params passed to the
+        step do not hold (a layer first called inside the loss would be re-initialized
+        at every step and never trained): initialize the model and ``params.locked()``
+        first.
 
     >>> import blox as bx, jax, jax.numpy as jnp, optax
     >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
@@ -523,14 +557,15 @@ def make_train_step(
     ['loss']
     """
     k = _check_count(accumulation_steps, "make_train_step", "accumulation_steps")
-    base = _grad_fn(loss_fn, has_aux, predicate, policy)
+    reduce_dtype = check_reduce_dtype(reduce_dtype, "make_train_step")
+    base = _grad_fn(loss_fn, has_aux, predicate, policy, where="make_train_step")
 
     def grads_of(params, scale, args):
         def fn(p, *a):
             return base(p, scale, *a)
 
         if k > 1:
-            fn = _accumulate(fn, k, "make_train_step(accumulation_steps)")
+            fn = _accumulate(fn, k, "make_train_step(accumulation_steps)", reduce_dtype)
         return fn(params, *args)
 
     def update(params, opt_state, grads):

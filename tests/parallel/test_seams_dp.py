@@ -1,0 +1,229 @@
+"""Issue 34 seams of the DP, FSDP and one-device train steps, against independent
+references:
+
+* item 1: dropout in a DP / FSDP step draws per-shard masks when its Rng is listed in
+  ``rngs=`` (equal to one-device runs of each shard with the seed folded by the shard
+  index), and raises naming the Rng and ``rngs=`` when it is not;
+* item 5: a layer first created inside the loss raises in `make_train_step`, the DP and
+  FSDP steps and `fit`, naming the new paths and ``locked()``;
+* item 7: bf16 gradients are summed in float32 (``reduce_dtype``): the lowered HLO shows
+  f32 all-reduces / reduce-scatters, and gradients whose per-shard values are exact in
+  bf16 come out as the correctly rounded f32 sum (today's bf16 sums miss it).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import blox as bx
+from blox import parallel as bp
+
+pytestmark = pytest.mark.standard_promotion  # Optax mixes Python floats and int32 counts
+
+
+def _mesh(n):
+    return bp.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def _put(tree, mesh, specs=None):
+    if specs is None:
+        return jax.device_put(tree, NamedSharding(mesh, P()))
+    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
+
+
+# ---------------------------------------------------------------------------
+# Item 1: dropout per data shard, and the unlisted Rng
+# ---------------------------------------------------------------------------
+
+
+def _dropout_model(fsdp: bool):
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    fc = bx.Linear(g / "fc", 4, rng)
+    drop = bx.Dropout(g / "drop", 0.5, rng)
+
+    def loss_fn(p, x):
+        h, p = bp.fsdp_call(fc, p, x) if fsdp else fc(p, x, precision="highest")
+        h, p = drop(p, h)
+        return jnp.mean(h**2), p
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 3)), jnp.float32)
+    params = loss_fn(rng.seed(bx.Params(), seed=0), x)[1].locked()
+    return rng, loss_fn, params, x
+
+
+def _dp_or_fsdp_step(fsdp, loss_fn, params, mesh, tx=None, **kw):
+    tx = optax.sgd(0.0) if tx is None else tx
+    if fsdp:
+        specs = bp.fsdp_specs(params, mesh, min_size=0)
+        step = bp.make_fsdp_train_step(loss_fn, tx, mesh, specs, **kw)
+        params = _put(params, mesh, specs)
+    else:
+        step = bp.make_dp_train_step(loss_fn, tx, mesh, **kw)
+        params = _put(params, mesh)
+    return jax.jit(step), params, tx.init(params.split()[0])
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["dp", "fsdp"])
+def test_listed_rng_draws_per_shard_masks_equal_to_folded_one_device_runs(fsdp):
+    """A duplicated batch on 2 shards: the loss is the mean of the one-device losses of
+    the shard's rows with the seed folded by 0 and by 1, which differ (different masks)."""
+    rng, loss_fn, params, x = _dropout_model(fsdp)
+    mesh = _mesh(2)
+    step, p, o = _dp_or_fsdp_step(fsdp, loss_fn, params, mesh, rngs=[rng])
+    _, _, metrics = step(p, o, jnp.concatenate([x, x]))
+
+    def folded(i):
+        seed = jax.random.fold_in(rng.get_seed(params), i)
+        return float(jax.jit(loss_fn)(rng.seed(params, seed=seed), x)[0])
+
+    ref = [folded(0), folded(1)]
+    assert ref[0] != ref[1]
+    np.testing.assert_allclose(float(metrics["loss"]), np.mean(ref), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["dp", "fsdp"])
+def test_unlisted_rng_that_draws_raises_naming_it_and_rngs(fsdp):
+    rng, loss_fn, params, x = _dropout_model(fsdp)
+    mesh = _mesh(2)
+    step, p, o = _dp_or_fsdp_step(fsdp, loss_fn, params, mesh)  # rngs=() (the default)
+    where = "make_fsdp_train_step" if fsdp else "make_dp_train_step"
+    with pytest.raises(ValueError, match=rf"{where}: the Rng 'net/rng' .*'net/rng/counter'.*rngs="):
+        step(p, o, jnp.concatenate([x, x]))
+
+
+# ---------------------------------------------------------------------------
+# Item 5: a layer created inside the loss
+# ---------------------------------------------------------------------------
+
+
+def _lazy_model():
+    """Params hold `fc` only; the loss also calls `head`, which is created there."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    fc = bx.Linear(g / "fc", 4, rng)
+    head = bx.Linear(g / "head", 1, rng)
+    x = jnp.ones((4, 4))
+
+    def loss_fn(p, x):
+        h, p = bp.fsdp_call(fc, p, x)
+        y, p = bp.fsdp_call(head, p, h)
+        return jnp.mean(y**2), p
+
+    params = fc(rng.seed(bx.Params(), seed=0), x)[1]  # unlocked, no head
+    return loss_fn, params, x
+
+
+@pytest.mark.parametrize("kind", ["one_device", "dp", "fsdp"])
+def test_a_layer_created_in_the_loss_raises_naming_it_and_locked(kind):
+    loss_fn, params, x = _lazy_model()
+    tx = optax.sgd(0.0)
+    if kind == "one_device":
+        step, where = jax.jit(bx.make_train_step(loss_fn, tx)), "make_train_step"
+        opt = tx.init(params.split()[0])
+    else:
+        step, params, opt = _dp_or_fsdp_step(kind == "fsdp", loss_fn, params, _mesh(2))
+        where = "make_fsdp_train_step" if kind == "fsdp" else "make_dp_train_step"
+    with pytest.raises(ValueError, match=rf"{where}: .*'net/head/bias', 'net/head/kernel'") as e:
+        step(params, opt, x)
+    assert "params.locked()" in str(e.value)
+
+
+def test_fit_raises_when_the_step_returns_new_paths():
+    """A hand-written step (not blox's) that returns params with a path it was not
+    given: fit names it after the first step."""
+    loss_fn, params, x = _lazy_model()
+
+    def step(p, o, x):
+        (_, p2) = loss_fn(p, x)
+        return p2, o, {"loss": jnp.zeros(())}
+
+    with pytest.raises(ValueError, match=r"fit: .*'net/head/bias', 'net/head/kernel'"):
+        bx.fit(step, params, (), [(x,)], progress=False)
+
+
+# ---------------------------------------------------------------------------
+# Item 7: reduce_dtype
+# ---------------------------------------------------------------------------
+
+ROWS, SHARDS = 16, 4  # one row per microbatch: 16 on one device, 4 x 4 with 4 shards
+
+
+def _bf16_linear():
+    """A bias-free bf16 Linear (8 -> 4) with a zero kernel and the loss mean_b sum_j
+    (x_b @ W)_j: the gradient of one row is x_b[i] for every j, exact in bf16, so
+    everything a step adds up is exact in f32 and the right bf16 result is the f32 sum
+    rounded once. Trained by SGD at lr -1 from a zero kernel, the new kernel is the
+    gradient."""
+    g = bx.Graph("net")
+    fc = bx.Linear(g / "fc", 4, None, use_bias=False, param_dtype=jnp.bfloat16)
+    fc.kernel_init = lambda key, shape, dtype: jnp.zeros(shape, dtype)
+
+    def loss_fn(p, x):
+        y, p = bp.fsdp_call(fc, p, x)
+        return jnp.mean(jnp.sum(y, axis=-1)), p
+
+    r = np.random.default_rng(1)
+    x = r.normal(size=(ROWS, 8)) * np.exp2(r.integers(-6, 4, size=(ROWS, 8)))
+    x = jnp.asarray(x, jnp.bfloat16)
+    params = fc(bx.Params(), x)[1].locked()
+    want = np.asarray(x, np.float64).mean(axis=0)[:, None] * np.ones((1, 4))
+    return loss_fn, params, x, jnp.asarray(want, jnp.bfloat16)
+
+
+def _kernel_after_one_step(kind, reduce_dtype, lower=False, gather="per_layer"):
+    loss_fn, params, x, want = _bf16_linear()
+    tx = optax.sgd(-1.0)
+    kw = {} if reduce_dtype == "default" else {"reduce_dtype": reduce_dtype}
+    if kind == "one_device":
+        step = jax.jit(bx.make_train_step(loss_fn, tx, accumulation_steps=ROWS, **kw))
+        opt = tx.init(params.split()[0])
+    else:
+        kw["microbatches"] = ROWS // SHARDS
+        if kind == "fsdp":
+            kw["gather"] = gather
+        step, params, opt = _dp_or_fsdp_step(
+            kind == "fsdp", loss_fn, params, _mesh(SHARDS), tx, **kw
+        )
+    if lower:
+        return step.lower(params, opt, x).as_text()
+    new, _, _ = step(params, opt, x)
+    return np.asarray(new[("net", "fc", "kernel")].value), np.asarray(want)
+
+
+@pytest.mark.parametrize("kind", ["one_device", "dp", "fsdp"])
+def test_bf16_gradients_are_the_f32_sum_rounded_once(kind):
+    """Accumulation over 16 microbatches (one device), or over 4 microbatches and then
+    the 4-way all-reduce (DP) / reduce-scatter (FSDP): the default sums in f32, so the
+    bf16 gradient is the exact sum rounded once; summed in bf16 (today's behaviour,
+    still available as reduce_dtype=bfloat16) entries are off by an ulp or more. (XLA's
+    CPU all-reduce of bf16 happens to round only once; NCCL's sums in bf16, which the
+    HLO test below rules out.) FSDP gathers per step here: per layer, each microbatch's
+    reduce-scatter result is rounded to bf16 once (a custom_vjp's cotangent has the
+    shard's dtype), as fsdp_value_and_grad documents."""
+    got, want = _kernel_after_one_step(kind, "default", gather="per_step")
+    assert got.dtype == want.dtype  # the gradient comes back in the params' dtype
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+    low, _ = _kernel_after_one_step(kind, jnp.bfloat16, gather="per_step")
+    assert np.any(low.astype(np.float32) != want.astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["dp", "fsdp"])
+def test_the_lowered_step_reduces_bf16_gradients_in_f32(kind):
+    """DP's all-reduce and FSDP's per-layer reduce-scatter (inside fsdp_call's backward)
+    run on f32 operands by default."""
+    text = _kernel_after_one_step(kind, "default", lower=True)
+    op = "reduce_scatter" if kind == "fsdp" else "all_reduce"
+    # Each op: '"stablehlo.<op>"(%x) <{...}> ({ reduction body }) : (operand types) -> ...'
+    ops = re.findall(rf'"stablehlo\.{op}".*?\}}\) : \(([^)]*)\)', text, re.DOTALL)
+    assert ops, f"no {op} in the lowered step"
+    types = {t for o in ops for t in re.findall(r"x(bf16|f32)>", o)}
+    assert types == {"f32"}, ops
