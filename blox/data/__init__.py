@@ -5,7 +5,8 @@ state); blox adds the sources and the recipes:
 
 - `HDF5Index` finds each dataset's byte offset once with h5py and reads contiguous
   datasets through ``np.memmap`` (picklable, safe in worker processes), chunked or
-  compressed ones through h5py.
+  compressed ones through h5py; a file changed after indexing raises when a process
+  opens it (``reindex()`` indexes it again).
 - `WindowedSource` cuts many files and several signals into windows computed on the fly:
   ``{'u': [L, Cu], 'y': [L, Cy]}`` in raw physical units.
 - `ArraySource` serves in-memory arrays such as ``{'x': images, 'y': labels}``.
@@ -13,7 +14,8 @@ state); blox adds the sources and the recipes:
   sharded per process, in TBPTT order, with workers and prefetch; its iterators save and
   restore their state.
 - `channel_stats` streams per-channel means and standard deviations over the training
-  split; `Normalize` holds them as non-trainable params inside the model (raw-in/raw-out).
+  split, refusing NaN and inf with their place; `Normalize` holds them as non-trainable
+  params inside the model (raw-in/raw-out).
 - `call_in_subprocess` keeps scikit-learn (OpenMP) work out of the process that runs
   Grain's shuffle (docs/data.md, "scikit-learn").
 """
