@@ -45,7 +45,7 @@ B + W against the whole backward's ``2 n`` (keeping every inner cotangent from `
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -55,10 +55,25 @@ from jax import lax
 from jax.extend.core import Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from blox.core import Params
+from blox.core import Params, Rng
+from blox.core._guards import (
+    check_no_new_params,
+    check_reduce_dtype,
+    check_rngs_listed,
+    reduce_dtype_of,
+)
 from blox.core._params import Path, format_path
+from blox.parallel._dp import (
+    WEIGHT_KEY,
+    _aux_finish,
+    _aux_terms,
+    _check_global_batch,
+    _check_rngs,
+    _weight,
+)
 from blox.parallel._fsdp import _sharded_dims, _with_marks, _without_marks
 from blox.parallel._mesh import constrain, varying_axes
+from blox.parallel._rng import fold_seeds, restore_seeds
 from blox.parallel._schedules import BACKWARD, FORWARD, IDLE, WEIGHT, Schedule, schedule_from
 
 __all__ = ["pipeline_value_and_grad", "stack_stages", "unstack_stages"]
@@ -254,11 +269,14 @@ def _zeros(tree: Any) -> Any:
 # -- the model's three functions -----------------------------------------------------------
 class _Fns(NamedTuple):
     """The user's functions, return values checked: ``stage(params, h)``,
-    ``first(params, x)`` (None: identity), ``last(params, h, y)``."""
+    ``first(params, x)`` (None: identity), ``last(params, h, y)`` (``has_aux``: it returns
+    ``((loss, aux), params)``)."""
 
     stage: Callable[[Params, Any], tuple[Any, Params]]
     first: Callable[[Params, Any], tuple[Any, Params]] | None
-    last: Callable[[Params, Any, Any], tuple[jax.Array, Params]]
+    last: Callable[[Params, Any, Any], tuple[Any, Params]]
+    has_aux: bool = False
+    plain_stage: Callable[[Params, Any], tuple[Any, Params]] | None = None  # without remat
 
 
 def _stage_vjp(fns: _Fns, tr: Params, st: Params, h: Any) -> tuple[Any, Any, Params]:
@@ -279,17 +297,64 @@ def _first(fns: _Fns, tr_sh: Params, st_sh: Params, x: Any) -> tuple[Any, Params
     return h, new.split()[1]
 
 
-def _last_loss(fns: _Fns, tr_sh: Params, st_sh: Params, h: Any, y: Any, scale: jax.Array):
-    """``(loss * scale, new shared state)`` of ``last_fn``; checks the loss is a float
-    scalar."""
-    loss, new = _check_out(fns.last(tr_sh.merge(st_sh), h, y), "last_fn", "last_fn", "h, y")
+class _Terms(NamedTuple):
+    """One microbatch's contributions to the step's sums (zeros where no loss is
+    computed): the loss term (``loss / (m D)``, or ``loss * weight``), the aux leaves'
+    terms (`blox.parallel` DP's convention) and the weight (None when `last_fn` gives
+    none). Floating terms are in the reduction dtype."""
+
+    loss: jax.Array
+    aux: Any
+    w: jax.Array | None
+
+
+def _last_out(fns: _Fns, out: Any) -> tuple[jax.Array, Any, Params]:
+    """``(loss, aux, params)`` from what ``last_fn`` returned, checked."""
+    value, new = _check_out(out, "last_fn", "last_fn", "h, y")
+    if fns.has_aux:
+        if not (isinstance(value, tuple) and len(value) == 2):
+            raise TypeError(
+                "pipeline_value_and_grad: with has_aux=True, last_fn returns ((loss, aux), "
+                f"params); got a first element of type {type(value).__name__}."
+            )
+        loss, aux = value
+    else:
+        loss, aux = value, None
     loss = jnp.asarray(loss)
     if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
         raise ValueError(
             f"pipeline_value_and_grad: last_fn must return a floating scalar loss, got "
             f"{loss.dtype} of shape {loss.shape}; reduce it, e.g. jnp.mean(...)."
         )
-    return loss * scale.astype(loss.dtype), new.split()[1]
+    if isinstance(aux, dict) and WEIGHT_KEY in aux:
+        w = jnp.asarray(aux[WEIGHT_KEY])
+        if w.shape != () or not (
+            jnp.issubdtype(w.dtype, jnp.floating) or jnp.issubdtype(w.dtype, jnp.integer)
+        ):
+            raise ValueError(
+                "pipeline_value_and_grad: last_fn's aux['weight'] must be a number scalar "
+                "(the real examples or tokens its loss averages over, e.g. jnp.sum(mask)), "
+                f"got {w.dtype} of shape {tuple(w.shape)}."
+            )
+    return loss, aux, new
+
+
+def _last_loss(
+    fns: _Fns, tr_sh: Params, st_sh: Params, h: Any, y: Any, n: int, reduce: Any
+) -> tuple[jax.Array, tuple[_Terms, Params]]:
+    """``(objective, (terms, new shared state))`` of ``last_fn`` on one microbatch: the
+    objective is what the backward differentiates, ``loss / n`` (``n = m D``) or, with a
+    weight, ``loss * weight`` (0 where the weight is 0, even for a NaN loss)."""
+    loss, aux, new = _last_out(fns, fns.last(tr_sh.merge(st_sh), h, y))
+    acc = reduce_dtype_of(loss.dtype, reduce)
+    w = _weight(aux, loss.astype(acc))  # the weight in the reduction dtype
+    if w is None:
+        obj = loss / jnp.asarray(n, loss.dtype)
+    else:
+        w = lax.stop_gradient(w)
+        obj = jnp.where(w > 0, loss * w.astype(loss.dtype), jnp.zeros((), loss.dtype))
+    terms = _Terms(lax.stop_gradient(obj).astype(acc), _aux_terms(aux, w, n, reduce), w)
+    return obj, (terms, new.split()[1])
 
 
 # -- what the backward needs: the stage's VJP residuals ---------------------------------------
@@ -362,7 +427,11 @@ class _Ctx(NamedTuple):
     num_stages: int  # p devices
     num_virtual: int  # v * p virtual stages
     stage: jax.Array  # this device's index on the stage axis
-    scale: jax.Array  # 1 / m
+    n: int  # m D: an unweighted microbatch's loss enters the sums as loss / n
+    reduce: Any  # reduce_dtype (None: float32 for 16-bit floats)
+    no_terms: _Terms  # zeros of the terms' types (cells without a loss)
+    counters: tuple[tuple[int, int, int], ...]  # shared-state leaves `_SharedPlan` counts
+    st_sh0: Params  # the shared state at the step's start
     tr: Params  # this device's trainable params, leaves (v, ...): one chunk per row
     tr_sh: Params  # shared trainable params
     param_res: list  # residuals of the params alone, leaves (v, ...)
@@ -384,12 +453,13 @@ class _Buffers(NamedTuple):
 
 
 class _Acc(NamedTuple):
-    """What a slot accumulates or threads: gradients (leaves (v, ...)), loss,
-    non-trainable state (leaves (v, ...)), shared state."""
+    """What a slot accumulates or threads: gradients (leaves (v, ...); floating leaves
+    in the reduction dtype), loss / aux / weight terms, non-trainable state (leaves (v,
+    ...)), shared state."""
 
     g: Params
     g_sh: Params
-    loss: jax.Array
+    terms: _Terms
     st: Params
     st_sh: Params
 
@@ -410,6 +480,7 @@ class _CellIn(NamedTuple):
     st_sh: Params
     is_first: jax.Array  # virtual stage 0
     is_last: jax.Array  # virtual stage v * p - 1
+    mb: jax.Array  # the microbatch's index
 
 
 class _CellOut(NamedTuple):
@@ -419,39 +490,62 @@ class _CellOut(NamedTuple):
     stash_out: tuple[list, Params]  # the stash entry to write (unchanged if no forward)
     d_tr: Params  # this chunk's gradient
     d_sh: Params
-    loss: jax.Array
+    terms: _Terms
     st: Params  # this chunk's state
     st_sh: Params
 
 
-def _no_loss(c: _Ctx) -> jax.Array:
-    return _vary(jnp.zeros((), _loss_dtype(c)), _axes(c.h_zero))
+def _counted(c: _Ctx, st_sh: Params, mb: jax.Array, after_first: bool) -> Params:
+    """`st_sh` with each counter that both ``first_fn`` and ``last_fn`` advance set to
+    its value on one device: ``c0 + mb (a + b)`` before ``first_fn`` of microbatch `mb`,
+    ``+ a`` before its ``last_fn`` (``a``, ``b``: their fixed advances per call)."""
+    if not c.counters:
+        return st_sh
+    leaves, treedef = jax.tree.flatten(st_sh)
+    base = jax.tree.leaves(c.st_sh0)
+    for k, a, b in c.counters:
+        dt = base[k].dtype
+        offset = mb.astype(dt) * jnp.asarray(a + b, dt) + jnp.asarray(a if after_first else 0, dt)
+        leaves[k] = _vary(base[k] + offset, tuple(varying_axes(leaves[k])))
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _forward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
     """Forward of one microbatch: virtual stage 0 runs ``first_fn``, the last runs
-    ``last_fn`` and its gradient at once (loss, shared gradient, output cotangent)."""
+    ``last_fn`` and its gradient at once (loss terms, shared gradient, output cotangent;
+    the last two zero for a microbatch of weight 0)."""
+    st_in = _counted(c, x.st_sh, x.mb, False)
     h_in, st_sh = lax.cond(
         x.is_first,
-        lambda: _vary(_first(c.fns, c.tr_sh, x.st_sh, x.x), _axes(c.h_zero)),
-        lambda: (x.h_in, x.st_sh),
+        lambda: _vary(_first(c.fns, c.tr_sh, st_in, x.x), _axes(c.h_zero)),
+        lambda: (x.h_in, st_in),
     )
     h_out, vjp_fn, st = _stage_vjp(c.fns, x.tr, x.st, h_in)
     res = [v for v, s in zip(_residuals(c.layout, vjp_fn), c.layout.stashed, strict=True) if s]
 
     def last():
-        (loss, new_sh), (d_sh, d_h) = jax.value_and_grad(
-            lambda p, h: _last_loss(c.fns, p, st_sh, h, x.y, c.scale), (0, 1), has_aux=True
+        st_last = _counted(c, st_sh, x.mb, True)
+        (_, (terms, new_sh)), (d_sh, d_h) = jax.value_and_grad(
+            lambda p, h: _last_loss(c.fns, p, st_last, h, x.y, c.n, c.reduce),
+            (0, 1),
+            has_aux=True,
         )(c.tr_sh, h_out)
-        return loss, new_sh, d_sh, d_h
+        if terms.w is not None:
+            # A weight-0 microbatch (all padding) adds nothing: its loss may be NaN (0 / 0),
+            # and the `where` in `_last_loss` zeroes its value but not its gradients.
+            ok = terms.w > 0
+            d_sh, d_h = jax.tree.map(
+                lambda g: jnp.where(ok, g, jnp.zeros((), g.dtype)), (d_sh, d_h)
+            )
+        return terms, new_sh, d_sh, d_h
 
-    loss, st_sh, d_sh, ct_own = lax.cond(
-        x.is_last, last, lambda: (_no_loss(c), st_sh, _zeros(c.tr_sh), c.h_zero)
+    terms, st_sh, d_sh, ct_own = lax.cond(
+        x.is_last, last, lambda: (c.no_terms, st_sh, _zeros(c.tr_sh), c.h_zero)
     )
     avals = _stash_avals(c.layout)
-    stash = ([_vary(v, _aval_vma(a)) for v, a in zip(res, avals, strict=True)], x.st_sh)
+    stash = ([_vary(v, _aval_vma(a)) for v, a in zip(res, avals, strict=True)], st_in)
     z = c.h_zero
-    return _CellOut(h_out, z, ct_own, stash, _zeros(x.tr), d_sh, loss, st, st_sh)
+    return _CellOut(h_out, z, ct_own, stash, _zeros(x.tr), d_sh, terms, st, st_sh)
 
 
 def _first_pullback(c: _Ctx, x: _CellIn, d_h: Any) -> Params:
@@ -477,7 +571,7 @@ def _backward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
         d_tr = _zeros(x.tr)
     d_sh = _first_pullback(c, x, d_h)
     z = c.h_zero
-    return _CellOut(z, d_h, z, x.stash_in, d_tr, d_sh, _no_loss(c), x.st, x.st_sh)
+    return _CellOut(z, d_h, z, x.stash_in, d_tr, d_sh, c.no_terms, x.st, x.st_sh)
 
 
 def _weight_cell(c: _Ctx, x: _CellIn) -> _CellOut:
@@ -486,12 +580,13 @@ def _weight_cell(c: _Ctx, x: _CellIn) -> _CellOut:
     res, _ = x.stash_in
     d_tr, _ = _rebuild_vjp(c.layout, res, x.param_res)(x.ct_kept)
     z = c.h_zero
-    return _CellOut(z, z, z, x.stash_in, d_tr, _zeros(c.tr_sh), _no_loss(c), x.st, x.st_sh)
+    return _CellOut(z, z, z, x.stash_in, d_tr, _zeros(c.tr_sh), c.no_terms, x.st, x.st_sh)
 
 
 def _idle_cell(c: _Ctx, x: _CellIn) -> _CellOut:
     z = c.h_zero
-    return _CellOut(z, z, z, x.stash_in, _zeros(x.tr), _zeros(c.tr_sh), _no_loss(c), x.st, x.st_sh)
+    zeros = _zeros(x.tr), _zeros(c.tr_sh)
+    return _CellOut(z, z, z, x.stash_in, *zeros, c.no_terms, x.st, x.st_sh)
 
 
 _CELLS = {IDLE: _idle_cell, FORWARD: _forward_cell, BACKWARD: _backward_cell, WEIGHT: _weight_cell}
@@ -547,6 +642,7 @@ def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, a: jax.Array, pr
         acc.st_sh,
         first,
         last,
+        a[_MB],
     )
     branch = np.zeros(len(_CELLS), np.int32)
     branch[list(present)] = np.arange(len(present))
@@ -560,8 +656,8 @@ def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, a: jax.Array, pr
         bufs = bufs._replace(wgrad=_put(bufs.wgrad, a[_WGRAD], x.ct_in, kind == BACKWARD))
     acc = _Acc(
         _add_row(c, acc.g, chunk, out.d_tr),
-        jax.tree.map(jnp.add, acc.g_sh, out.d_sh),
-        acc.loss + out.loss,
+        jax.tree.map(_plus, acc.g_sh, out.d_sh),
+        jax.tree.map(_plus, acc.terms, out.terms),
         _set_row(c, acc.st, chunk, out.st),
         out.st_sh,
     )
@@ -583,10 +679,15 @@ def _set_row(c: _Ctx, tree: Any, chunk: jax.Array, values: Any) -> Any:
 
 
 def _add_row(c: _Ctx, tree: Any, chunk: jax.Array, values: Any) -> Any:
-    """``tree[chunk] += values`` for every leaf."""
+    """``tree[chunk] += values`` for every leaf (in the dtype of `tree`'s leaves)."""
     if c.num_virtual == c.num_stages:
-        return jax.tree.map(lambda x, v: x + v[None], tree, values)
-    return _put(tree, chunk, jax.tree.map(jnp.add, _take(tree, chunk), values))
+        return jax.tree.map(lambda x, v: _plus(x, v[None]), tree, values)
+    return _put(tree, chunk, jax.tree.map(_plus, _take(tree, chunk), values))
+
+
+def _plus(acc: jax.Array, value: jax.Array) -> jax.Array:
+    """``acc + value`` in ``acc``'s dtype (the accumulators hold the reduction dtype)."""
+    return acc + value.astype(acc.dtype)
 
 
 def _axes(tree: Any) -> tuple[str, ...]:
@@ -604,10 +705,6 @@ def _stash_avals(layout: _Layout) -> list:
     return [a for a, s in zip(layout.avals, layout.stashed, strict=True) if s]
 
 
-def _loss_dtype(c: _Ctx) -> Any:
-    return jnp.result_type(c.scale)
-
-
 # -- one device's whole step -----------------------------------------------------------------
 class _Static(NamedTuple):
     """The step's static configuration (from `pipeline_value_and_grad`'s arguments)."""
@@ -617,6 +714,166 @@ class _Static(NamedTuple):
     stage_axis: str
     data_axis: str | None
     fsdp: tuple[tuple[Path, int], ...] = ()  # stage leaves sharded over data: (path, dim)
+    dp: int = 1  # the data axis's size
+    reduce: Any = None  # reduce_dtype
+    rngs: tuple[Rng, ...] = ()  # folded with the data index
+
+
+# -- the shared state first_fn and last_fn change ---------------------------------------------
+# What `_affine` knows of a value: ("in", k, c): input leaf k plus the constant c;
+# ("c", c): the constant c; None: anything else.
+_PASS = frozenset({"pvary", "pcast", "copy", "copy_p", "optimization_barrier"})
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"})
+
+
+def _affine(jaxpr: Any, env_in: list) -> list:
+    """Follows integer additions of constants through `jaxpr` (and the jaxprs it calls):
+    for each output, what `_PASS`-through and ``add`` make of the inputs `env_in`."""
+    env = dict(zip(jaxpr.invars, env_in, strict=True))
+
+    def read(a):
+        if isinstance(a, Literal):
+            val = np.asarray(a.val)
+            ok = val.ndim == 0 and np.issubdtype(val.dtype, np.integer)
+            return ("c", int(val)) if ok else None
+        return env.get(a)
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        name = eqn.primitive.name
+        outs: list = [None] * len(eqn.outvars)
+        if name in _PASS and len(ins) == len(outs):
+            outs = ins
+        elif name == "convert_element_type" and eqn.params.get("new_dtype") == getattr(
+            eqn.invars[0].aval, "dtype", None
+        ):
+            outs = ins
+        elif name == "add" and None not in ins:
+            (x, y) = ins
+            if x[0] == "c" and y[0] == "c":
+                outs = [("c", x[1] + y[1])]
+            elif x[0] == "c" or y[0] == "c":
+                var, const = (y, x) if x[0] == "c" else (x, y)
+                outs = [("in", var[1], var[2] + const[1])]
+        elif name in _CALLS and "jaxpr" in eqn.params:
+            sub = eqn.params["jaxpr"]
+            inner = getattr(sub, "jaxpr", sub)
+            if len(inner.invars) == len(ins):
+                outs = _affine(inner, ins)
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _state_effects(fn: Callable[[Params], Params], st: Params) -> list:
+    """Per leaf of `st`: ``None`` if ``fn`` leaves it unchanged, the constant it adds
+    (an int: an `Rng` counter advanced by a fixed number of draws), or ``"changed"``."""
+    leaves, treedef = jax.tree.flatten(st)
+    closed = jax.make_jaxpr(lambda vals: jax.tree.leaves(fn(jax.tree.unflatten(treedef, vals))))(
+        leaves
+    )
+    outs = _affine(closed.jaxpr, [("in", k, 0) for k in range(len(leaves))])
+    effects = []
+    for k, out in enumerate(outs):
+        if out is not None and out[:2] == ("in", k):
+            effects.append(None if out[2] == 0 else out[2])
+        else:
+            effects.append("changed")
+    return effects
+
+
+_BOTH_CHANGE = (
+    "pipeline_value_and_grad: first_fn and last_fn both change the shared non-trainable "
+    "parameter '{path}' ({how}). They run on different devices (first_fn on stage 0, "
+    "last_fn on stage p - 1), so the pipeline cannot apply one's change on top of the "
+    "other's as one device would, and would keep only one of them. Only an Rng counter "
+    "that each call advances by a fixed number of draws is merged exactly. Give first_fn "
+    "and last_fn their own modules for this state (e.g. two Rngs: bx.Rng(g / 'rng_in') and "
+    "bx.Rng(g / 'rng_out'))."
+)
+
+
+class _SharedPlan(NamedTuple):
+    """Where each shared-state leaf's final value comes from: ``sources[k]`` is
+    ``"keep"`` (neither function changes it), ``"first"`` (stage 0), ``"last"`` (stage
+    p - 1) or ``"count"``; `counters` lists the counted leaves ``(k, a, b)``: an `Rng`
+    counter ``first_fn`` advances by ``a`` per call and ``last_fn`` by ``b``."""
+
+    sources: tuple[str, ...]
+    counters: tuple[tuple[int, int, int], ...]
+
+
+def _shared_plan(first_effects: list, last_effects: list, st_sh: Params) -> _SharedPlan:
+    sources, counters = [], []
+    leaves = jax.tree.leaves(st_sh)
+    for k, (path, f, lst) in enumerate(zip(st_sh.keys(), first_effects, last_effects, strict=True)):
+        if f is None or lst is None:
+            sources.append("first" if lst is None else "last")
+            if f is None and lst is None:
+                sources[-1] = "keep"
+            continue
+        if f == "changed" or lst == "changed" or not jnp.issubdtype(leaves[k].dtype, jnp.integer):
+            how = (
+                "each call changes it in a way other than adding a constant"
+                if "changed" in (f, lst)
+                else f"advanced by {f} per first_fn call and {lst} per last_fn call"
+            )
+            raise ValueError(_BOTH_CHANGE.format(path=format_path(path), how=how))
+        sources.append("count")
+        counters.append((k, int(f), int(lst)))
+    return _SharedPlan(tuple(sources), tuple(counters))
+
+
+def _fold_rngs(cfg: _Static, local: Params, shared: Params) -> tuple[Params, Params, tuple, tuple]:
+    """Folds the data index into the seeds of the listed `Rng` modules, in the stage params
+    (leaves ``(v, ...)``: each chunk's seed) and in the shared params; returns the seeds
+    to restore."""
+    if not cfg.rngs or cfg.data_axis is None:
+        return local, shared, (), ()
+    axis = cfg.data_axis
+    in_stage = [r for r in cfg.rngs if r.param_path("seed") in local]
+    in_shared = [r for r in cfg.rngs if r.param_path("seed") in shared]
+    seeds_st = tuple((r, r.get_seed(local)) for r in in_stage)
+    seeds_sh = tuple((r, r.get_seed(shared)) for r in in_shared)
+    if in_stage:
+        local = jax.vmap(lambda t: fold_seeds(t, in_stage, axis)[0])(local)
+    if in_shared:
+        shared = fold_seeds(shared, in_shared, axis)[0]
+    return local, shared, seeds_st, seeds_sh
+
+
+def _check_fns(cfg: _Static, stage: Params, shared: Params, x: Any, h: Any, y: Any) -> Any:
+    """Calls each function once, abstractly, on one microbatch: none may create a
+    parameter (`check_no_new_params`), and with a data axis every `Rng` that draws must
+    be listed in ``rngs`` (`check_rngs_listed`). Returns the stage output's type."""
+    fns, where = cfg.fns, "pipeline_value_and_grad"
+    out = []
+
+    def probe():
+        calls = [("stage_fn", "h", stage, lambda p: fns.plain_stage(p, h))]
+        if fns.first is not None:
+            calls.append(("first_fn", "x", shared, lambda p: fns.first(p, x)))
+        calls.append(("last_fn", "h, y", shared, lambda p: fns.last(p, h, y)))
+        for name, args, before, call in calls:
+            result, after = _check_out(call(before), name, name, args)
+            if name == "stage_fn":
+                out.append(result)
+            check_no_new_params(before, after, f"{where}: {name}")
+            if cfg.data_axis is not None:
+                check_rngs_listed(before, after, cfg.rngs, f"{where}: {name}")
+        return out[0]
+
+    return jax.eval_shape(probe)
+
+
+def _acc_zeros(tree: Any, reduce: Any) -> Any:
+    """Zeros of each leaf's shape and varying axes, in its accumulation dtype."""
+    return jax.tree.map(
+        lambda x: _vary(
+            jnp.zeros(jnp.shape(x), reduce_dtype_of(x.dtype, reduce)), tuple(varying_axes(x))
+        ),
+        tree,
+    )
 
 
 def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
@@ -632,22 +889,41 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
     # Internally a device's stage leaves are (v, ...): row c is its chunk c.
     rows = (lambda x: x) if v == 1 else (lambda x: x[:, 0])
     local = _vary(jax.tree.map(rows, stage_params), axes)
+    shared = _vary(shared_params, axes)
+    # DP x PP: the listed Rngs draw other keys on each data shard (restored at the end).
+    local, shared, seeds_st, seeds_sh = _fold_rngs(cfg, local, shared)
     tr, st = local.split()
     # FSDP inside the stage: the leaves `stage_specs` shards over the data axis hold local
     # shards, marked for `fsdp_call` (gather before use, reduce-scatter the gradient).
     tr = _with_marks(tr, {k: (cfg.data_axis, d) for k, d in cfg.fsdp})
-    tr_sh, st_sh = _vary(shared_params, axes).split()
+    tr_sh, st_sh = shared.split()
     xs = _split_batch(_vary(inputs, axes), m)
     ys = _split_batch(_vary(targets, axes), m)
     x0, y0 = _take(xs, jnp.int32(0)), _take(ys, jnp.int32(0))
     tr0, st0 = _take(tr, jnp.int32(0)), _take(st, jnp.int32(0))
     h_aval = jax.eval_shape(lambda: _first(fns, tr_sh, st_sh, x0)[0])
     h_zero = _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h_aval), axes)
-    out_aval = jax.eval_shape(lambda: fns.stage(tr0.merge(st0), h_zero)[0])
+    out_aval = _check_fns(cfg, tr0.merge(st0), shared, x0, h_zero, y0)
     _check_keeps_activation("pipeline_value_and_grad", h_aval, out_aval)
-    loss_aval = jax.eval_shape(
-        lambda: _last_loss(fns, tr_sh, st_sh, h_zero, y0, jnp.float32(1.0))[0]
+    n = m * cfg.dp
+    last_aval = jax.eval_shape(lambda: _last_out(fns, fns.last(tr_sh.merge(st_sh), h_zero, y0)))
+    terms_aval = jax.eval_shape(
+        lambda: _last_loss(fns, tr_sh, st_sh, h_zero, y0, n, cfg.reduce)[1][0]
     )
+    h_axes = _axes(h_zero)
+    no_terms = jax.tree.map(
+        lambda a: _vary(jnp.zeros(a.shape, a.dtype), (*varying_axes(a), *h_axes)), terms_aval
+    )
+    # Shared state: which leaves first_fn and last_fn change (both: Rng counters, counted).
+    first_eff = (
+        _state_effects(lambda s: _first(fns, tr_sh, s, x0)[1], st_sh)
+        if fns.first is not None
+        else [None] * len(jax.tree.leaves(st_sh))
+    )
+    last_eff = _state_effects(
+        lambda s: _last_loss(fns, tr_sh, s, h_zero, y0, n, cfg.reduce)[1][1], st_sh
+    )
+    plan = _shared_plan(first_eff, last_eff, st_sh)
     layout = _residual_layout(fns, tr0, st0, h_zero)
     # The residuals of each chunk's params alone, once per step (v of them).
     per_chunk = [
@@ -675,7 +951,11 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
         num_stages=p,
         num_virtual=v * p,
         stage=stage,
-        scale=jnp.asarray(1.0 / m, loss_aval.dtype),
+        n=n,
+        reduce=cfg.reduce,
+        no_terms=no_terms,
+        counters=plan.counters,
+        st_sh0=st_sh,
         tr=tr,
         tr_sh=tr_sh,
         param_res=param_res,
@@ -699,51 +979,99 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
         ring_like(sizes["inbox_b"], h_zero),
         ring_like(sizes["wgrad"], h_zero) if split else (),
     )
-    acc = _Acc(_zeros(tr), _zeros(tr_sh), _vary(jnp.zeros((), loss_aval.dtype), axes), st, st_sh)
+    acc = _Acc(_acc_zeros(tr, cfg.reduce), _acc_zeros(tr_sh, cfg.reduce), no_terms, st, st_sh)
     (_, acc), _ = lax.scan(
         lambda carry, t: _slot(c, xs, ys, carry, t), (bufs, acc), jnp.arange(table.shape[0])
     )
-    return _reduce(cfg, acc, shared_params.split()[1], stage == 0, stage == p - 1, v)
+    acc = acc._replace(st=restore_seeds(acc.st, seeds_st), st_sh=restore_seeds(acc.st_sh, seeds_sh))
+    ends = (stage == 0, stage == p - 1)
+    dtypes = (tr, tr_sh, last_aval[:2])
+    return _reduce(cfg, acc, shared_params.split()[1], plan, ends, v, dtypes)
 
 
-def _reduce(cfg: _Static, acc: _Acc, st_sh_old: Params, on_first, on_last, v: int):
-    """Loss and gradients summed over the stages (the shared params') and averaged over
-    the data axis (FSDP leaves, reduce-scattered already: divided by its size); the
-    shared state from device 0 (``first_fn``) or p - 1 (``last_fn``)."""
+def _reduce(
+    cfg: _Static,
+    acc: _Acc,
+    st_sh_old: Params,
+    plan: _SharedPlan,
+    ends: tuple[jax.Array, jax.Array],
+    v: int,
+    dtypes: tuple[Params, Params, tuple[Any, Any]],
+):
+    """Loss, aux and gradients summed over the stages and the data axis (FSDP leaves
+    arrive reduce-scattered over it: summed already), in the reduction dtype, then
+    divided by the total weight (weighted losses) and cast to the params' (loss's, aux's)
+    dtypes; the shared state as `plan` says (from device 0 for ``first_fn``'s changes,
+    p - 1 for ``last_fn``'s, counted for counters both advance)."""
     axis, data = cfg.stage_axis, cfg.data_axis
+    on_first, on_last = ends
+    m = cfg.schedule.num_microbatches
 
-    def settle(old, new):
-        v0 = lax.psum(jnp.where(on_first, new, jnp.zeros_like(new)), axis)
-        vl = lax.psum(jnp.where(on_last, new, jnp.zeros_like(new)), axis)
-        return jnp.where(v0 != old, v0, vl)
+    def settle(source, k, old, new):
+        if source == "keep":
+            return old
+        if source == "count":
+            ((a, b),) = [(a, b) for j, a, b in plan.counters if j == k]
+            return old + jnp.asarray(m * (a + b), old.dtype)
+        on = on_first if source == "first" else on_last
+        return lax.psum(jnp.where(on, new, jnp.zeros_like(new)), axis)
 
-    st_sh = jax.tree.map(settle, st_sh_old, acc.st_sh)
-    loss, g_sh, st = lax.psum(acc.loss, axis), lax.psum(acc.g_sh, axis), acc.st
+    old_leaves, treedef = jax.tree.flatten(st_sh_old)
+    st_sh = jax.tree.unflatten(
+        treedef,
+        [
+            settle(src, k, old, new)
+            for k, (src, old, new) in enumerate(
+                zip(plan.sources, old_leaves, jax.tree.leaves(acc.st_sh), strict=True)
+            )
+        ],
+    )
+    terms, g_sh = lax.psum((acc.terms, acc.g_sh), axis)
+    st = acc.st
     g = _without_marks(acc.g)
     if data is not None:
         # FSDP leaves arrive reduce-scattered over the data axis (the transpose of
-        # `fsdp_call`'s gather): summed already, so only divided by its size; the
-        # replicated leaves are averaged by one pmean.
+        # `fsdp_call`'s gather): summed already; the others are summed by one psum.
         fsdp = dict(cfg.fsdp)
         arrays = g.arrays()  # in the order of g's leaves
         rep = [v for k, v in arrays.items() if k not in fsdp]
-        loss, rep, g_sh = lax.pmean((loss, rep, g_sh), data)
-        n, it = lax.axis_size(data), iter(rep)
+        terms, rep, g_sh = lax.psum((terms, rep, g_sh), data)
+        it = iter(rep)
         g = jax.tree.unflatten(
-            jax.tree.structure(g),
-            [v / jnp.asarray(n, v.dtype) if k in fsdp else next(it) for k, v in arrays.items()],
+            jax.tree.structure(g), [v if k in fsdp else next(it) for k, v in arrays.items()]
         )
+
         # Floating state (running statistics) is averaged over the data shards; integer
         # state (Rng seed and counter) advances identically on every shard and keeps its
         # dtype (pmax of equal values).
-        st, st_sh = jax.tree.map(
-            lambda v: lax.pmean(v, data) if jnp.issubdtype(v.dtype, jnp.floating)
-            else lax.pmax(v, data),
-            (st, st_sh),
-        )  # fmt: skip
+        def over_data(v):
+            if data not in varying_axes(v):
+                return v
+            if jnp.issubdtype(v.dtype, jnp.floating):
+                return lax.pmean(v, data)
+            return lax.pmax(v, data)
+
+        st, st_sh = jax.tree.map(over_data, (st, st_sh))
+    loss, aux, w = terms
+    if w is not None:
+        denom = jnp.where(w > 0, w, jnp.ones((), w.dtype))
+        div = lambda t: jax.tree.map(lambda x: x / denom.astype(x.dtype), t)  # noqa: E731
+        loss, g, g_sh = div(loss), div(g), div(g_sh)
+        aux = _aux_finish(aux, denom, w)
+    tr, tr_sh, (loss_aval, aux_aval) = dtypes
+    cast = lambda t, like: jax.tree.map(lambda x, y: x.astype(y.dtype), t, like)  # noqa: E731
+    g, g_sh = cast(g, _without_marks(tr)), cast(g_sh, tr_sh)
+    loss = loss.astype(loss_aval.dtype)
+    if aux is not None:  # floating leaves back to their dtypes (integers were summed)
+        aux = jax.tree.map(
+            lambda x, y: x.astype(y.dtype) if jnp.issubdtype(y.dtype, jnp.floating) else x,
+            aux,
+            aux_aval,
+        )
     # back to the input layout: (1, ...), or (v, 1, ...) with virtual stages
     lead = lambda t: jax.tree.map(lambda x: x if v == 1 else x[:, None], t)  # noqa: E731
-    return loss, (lead(g), g_sh), (lead(st), st_sh)
+    value = (loss, aux) if cfg.fns.has_aux else loss
+    return value, (lead(g), g_sh), (lead(st), st_sh)
 
 
 def pipeline_value_and_grad(
@@ -760,7 +1088,10 @@ def pipeline_value_and_grad(
     remat_policy: Callable[..., bool] | None = None,
     stage_specs: Params | None = None,
     virtual_stages: int | None = None,
-) -> Callable[..., tuple[jax.Array, tuple[Params, Params], tuple[Params, Params]]]:
+    has_aux: bool = False,
+    rngs: Sequence[Rng] = (),
+    reduce_dtype: Any = None,
+) -> Callable[..., tuple[Any, tuple[Params, Params], tuple[Params, Params]]]:
     """Builds ``step(stage_params, shared_params, inputs, targets)`` that runs a pipelined
     forward and backward after a GPipe, 1F1B, interleaved 1F1B or ZB-H1 schedule (or your
     `Schedule` table) and returns the mean loss, the gradients and the updated
@@ -880,24 +1211,39 @@ def pipeline_value_and_grad(
         where, mesh, schedule, num_microbatches, virtual_stages, stage_axis, data_axis
     )
     m, v = sched.num_microbatches, sched.virtual_stages
+    rngs = _check_rngs(rngs, where)
+    reduce = check_reduce_dtype(reduce_dtype, where)
 
     def call_stage(params: Params, h: Any) -> tuple[Any, Params]:
         return _check_out(stage_fn(params, h), "stage_fn", "stage_fn", "h")
 
+    plain_stage = call_stage
     if remat:
         call_stage = jax.checkpoint(call_stage, policy=remat_policy)  # noqa: F811
-    cfg = _Static(_Fns(call_stage, first_fn, last_fn), sched, stage_axis, data_axis)
+    fns = _Fns(call_stage, first_fn, last_fn, bool(has_aux), plain_stage)
+    cfg = _Static(fns, sched, stage_axis, data_axis, dp=dp, reduce=reduce, rngs=rngs)
 
     def step(stage_params: Params, shared_params: Params, inputs: Any, targets: Any):
         _check_step_args(
             where, stage_params, shared_params, inputs, targets, (p, v), stage_axis, m, dp
         )
+        # A multi-process mesh takes global arrays only (DP's check and message).
+        _check_global_batch((inputs, targets), mesh, data_axis)
+        for r in rngs:
+            if r.param_path("seed") not in stage_params and r.param_path("seed") not in (
+                shared_params
+            ):
+                raise ValueError(
+                    f"{where}: rngs lists the Rng '{r.path_str}', whose seed is in neither "
+                    "stage_params nor shared_params; list the Rngs the model's functions "
+                    "draw from, seeded in the params you pass (rng.seed(params, seed=...))."
+                )
         specs = _stage_partition_specs(where, stage_params, stage_specs, stage_axis, v)
         fsdp = _stage_fsdp_dims(where, stage_params, stage_specs, data_axis)
         rep = jax.tree.map(lambda _: PartitionSpec(), shared_params)
         batch = PartitionSpec(data_axis)
         out_specs = (
-            PartitionSpec(),
+            (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec(),
             (specs.split()[0], rep.split()[0]),
             (specs.split()[1], rep.split()[1]),
         )
@@ -908,13 +1254,13 @@ def pipeline_value_and_grad(
             out_specs=out_specs,
         )
         put = lambda tree, spec: jax.tree.map(lambda x, s: constrain(x, mesh, s), tree, spec)  # noqa: E731
-        loss, grads, (st, st_sh) = f(
+        value, grads, (st, st_sh) = f(
             put(stage_params, specs),
             put(shared_params, rep),
             jax.tree.map(lambda x: constrain(x, mesh, batch), inputs),
             jax.tree.map(lambda x: constrain(x, mesh, batch), targets),
         )
-        return loss, grads, (stage_params.merge(st), shared_params.merge(st_sh))
+        return value, grads, (stage_params.merge(st), shared_params.merge(st_sh))
 
     return step
 
