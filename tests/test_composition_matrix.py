@@ -34,7 +34,7 @@ outside a ``shard_map`` over ``'model'``, and every layer is called through
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path as FsPath
 from typing import Any, NamedTuple
 
@@ -67,9 +67,12 @@ class Feature:
       title: what the model does (docs).
       unit: the layer each unit adds after its row-parallel `Linear`: ``'dropout'``,
         ``'batchnorm'``, ``'counter'`` (a call count and a running mean) or ``''``.
+      sync_bn: the BatchNorm averages its statistics over ``'data'`` (``axis_name``).
       shared_rng: ``first_fn`` adds noise from the shared `Rng` (``net/rng``) and
         ``last_fn`` scales the loss by a draw from it: one counter advanced on both ends.
       weighted: a masked mean over a padded batch, weighted by ``aux['weight']``.
+      guard: the masked mean divides by ``max(count, 1)``; False: by ``count``, so an
+        all-padding microbatch's loss is ``0 / 0`` (NaN), its gradients too.
       dtype: the layers' compute dtype.
       param_dtype: the dtype the params are stored in.
       micro: microbatches per data shard multiply by this (accumulation).
@@ -81,8 +84,10 @@ class Feature:
     name: str
     title: str
     unit: str = ""
+    sync_bn: bool = False
     shared_rng: bool = False
     weighted: bool = False
+    guard: bool = True
     dtype: Any = None
     param_dtype: Any = jnp.float32
     micro: int = 1
@@ -92,9 +97,8 @@ class Feature:
 
     @property
     def model_key(self) -> Feature:
-        """What the model and its reference depend on (not the name, nor `list_rngs`)."""
-        return Feature("", "", self.unit, self.shared_rng, self.weighted, self.dtype,
-                       self.param_dtype, self.micro)  # fmt: skip
+        """What the model depends on (not the names, `micro`, `list_rngs`, `rtol`)."""
+        return replace(self, name="", title="", micro=1, list_rngs=True, rtol=None, semantics="")
 
     def tol(self) -> dict:
         t = dict(tol(self.param_dtype if self.dtype is None else self.dtype))
@@ -138,6 +142,19 @@ FEATURES = (
         ),
     ),
     Feature(
+        "batchnorm_sync",
+        "BatchNorm(axis_name='data') in every unit",
+        unit="batchnorm",
+        sync_bn=True,
+        rtol=1e-4,
+        semantics=(
+            "statistics over the same microbatch of every data shard: the one-device run "
+            "over the global microbatches (microbatch j of every shard together); without "
+            "a data axis there is none to average over: the layer raises, naming itself "
+            "and `axis_name`"
+        ),
+    ),
+    Feature(
         "rng_counters",
         "one shared `Rng` drawn in `first_fn` (input noise) and in `last_fn` (loss scale)",
         shared_rng=True,
@@ -149,11 +166,25 @@ FEATURES = (
     ),
     Feature(
         "weighted_loss",
-        "masked mean over a padded batch, `aux['weight'] = sum(mask)`, one all-padding microbatch",
+        "masked mean `sum(err * mask) / max(sum(mask), 1)` over a padded batch, "
+        "`aux['weight'] = sum(mask)`, twice the microbatches (all-padding ones where they "
+        "hold 2 rows)",
         weighted=True,
+        micro=2,
         semantics=(
             "the global masked mean over all real rows, whatever the split: parts weighted "
             "by their weight, a weight-0 part contributes 0 to loss and gradients"
+        ),
+    ),
+    Feature(
+        "weighted_nan",
+        "the weighted loss written `sum(err * mask) / sum(mask)`: NaN on all-padding microbatches",
+        weighted=True,
+        guard=False,
+        micro=2,
+        semantics=(
+            "as `weighted_loss`: a weight-0 part contributes 0 even when its loss and its "
+            "gradients are NaN"
         ),
     ),
     Feature(
@@ -316,9 +347,17 @@ _UNLISTED = (
     "every shard",
 )
 
+_UNBOUND = (
+    ValueError,
+    r"BatchNorm '(s0|stage)/bn': axis_name='data' is not bound here",
+    "without a data axis there is nothing to average the statistics over (build the "
+    "layer with `axis_name=None` there)",
+)
+
 # Cells that cannot compose, with the error they raise and why.
 ERRORS: dict[tuple[str, str], tuple] = {
-    ("unlisted_rng", p.name): _UNLISTED for p in PATHS if p.folds
+    **{("unlisted_rng", p.name): _UNLISTED for p in PATHS if p.folds},
+    **{("batchnorm_sync", p.name): _UNBOUND for p in PATHS if not p.folds},
 }
 
 # Cells that fail on today's tree: a defect whose fix has not landed (issue 34 items).
@@ -329,6 +368,7 @@ PENDING: dict[tuple[str, str], str] = {
     **{("unlisted_rng", p): "item 1" for p in ("dp_pp", "fsdp_pp", "dp_tp_pp")},
     **{("rng_counters", p): "item 6" for p in _PIPES},
     **{("weighted_loss", p): "item 2" for p in _PIPES},
+    **{("weighted_nan", p): "item 2" for p in _PIPES},
 }
 
 CELLS = [
@@ -391,7 +431,7 @@ def _unit(root: str, feature: Feature):
     row = bp.RowParallelLinear(g / "row", WIDTH, rng, **dt)
     layer = {
         "dropout": lambda: bx.Dropout(g / "drop", 0.5, rng),
-        "batchnorm": lambda: bx.BatchNorm(g / "bn"),
+        "batchnorm": lambda: bx.BatchNorm(g / "bn", axis_name="data" if feature.sync_bn else None),
         "counter": lambda: _Counter(g / "count"),
         "": lambda: None,
     }[feature.unit]()
@@ -431,7 +471,8 @@ def _model(feature: Feature, n_units: int) -> Model:
         if feature.weighted:
             mask = targets["mask"]
             n = jnp.sum(mask.astype(jnp.int32))
-            loss = jnp.sum(jnp.where(mask, err, 0.0)) / jnp.maximum(n, 1).astype(jnp.float32)
+            count = jnp.maximum(n, 1) if feature.guard else n
+            loss = jnp.sum(jnp.where(mask, err, 0.0)) / count.astype(jnp.float32)
             aux = {"weight": n}
         else:
             loss, aux = jnp.mean(err), {}
@@ -466,7 +507,8 @@ def _data():
 
 
 def init(feature: Feature, n_units: int):
-    return _init(feature.model_key, n_units)
+    # the values of the model without cross-shard statistics (one device binds no axis)
+    return _init(replace(feature.model_key, sync_bn=False, guard=True), n_units)
 
 
 @functools.cache
@@ -512,20 +554,30 @@ def _rows(tree, lo, hi):
 
 
 def reference(feature: Feature, n_units: int, data: int, k: int, folds: bool):
-    return _reference(feature.model_key, n_units, data, k, folds)
+    """The cell's expected ``(loss, grads, state)``; see `_reference`. Statistics synced
+    over the data axis are those of the global microbatches: one shard whose microbatch
+    ``j`` is microbatch ``j`` of every shard, in shard order. The reference's masked mean
+    divides by ``max(count, 1)`` (equal on every part of nonzero weight)."""
+    key = replace(feature.model_key, guard=True)
+    if not feature.sync_bn:
+        return _reference(key, n_units, data, k, folds, None)
+    r = B // (data * k)
+    order = tuple(d * k * r + j * r + i for j in range(k) for d in range(data) for i in range(r))
+    return _reference(replace(key, sync_bn=False), n_units, 1, k, False, order)
 
 
 @functools.cache
-def _reference(feature: Feature, n_units: int, data: int, k: int, folds: bool):
-    """The cell's expected ``(loss, grads, state)`` on one device, from the semantics:
-    the batch cut into `data` shards of `k` microbatches; per shard the seeds folded by
-    its index (`folds`) and the state threaded through its microbatches in order; the
-    loss the mean of the parts (weighted by ``aux['weight']``, a weight-0 part
-    contributing 0); floating state averaged over the shards, integer state equal on all
-    shards (checked)."""
+def _reference(feature: Feature, n_units: int, data: int, k: int, folds: bool, order: tuple | None):
+    """On one device, from the semantics: the batch (its rows in `order`) cut into
+    `data` shards of `k` microbatches; per shard the seeds folded by its index (`folds`)
+    and the state threaded through its microbatches in order; the loss the mean of the
+    parts (weighted by ``aux['weight']``, a weight-0 part contributing 0); floating state
+    averaged over the shards, integer state equal on all shards (checked)."""
     m = model(feature, n_units)
     _, _, flat = init(feature, n_units)
     x, t = _data()
+    if order is not None:
+        x, t = jax.tree.map(lambda a: a[np.asarray(order)], (x, t))
     rows = B // (data * k)
 
     def total(trainable, state):
@@ -729,7 +781,11 @@ def _short(cell: Cell) -> str:
         return f"pending ({PENDING[f.name, p.name]})"
     if cell.error is not None:
         return f"raises `{cell.error[0].__name__}`"
-    return f"= {p.data}x{p.k * f.micro}" + (" f" if p.folds and f.list_rngs else "")
+    return (
+        f"= {p.data}x{p.k * f.micro}"
+        + (" f" if p.folds and f.list_rngs else "")
+        + (" s" if f.sync_bn else "")
+    )
 
 
 _INTRO = """\
@@ -768,6 +824,8 @@ and then takes
 * floating state (BatchNorm statistics, running means): the mean over the shards of
   each shard's final state; integer state (RNG counters, call counts): each shard's
   final state, which must be equal on all shards;
+* `s`: the statistics of microbatch `j` taken over microbatch `j` of every shard
+  together (`axis_name='data'`): the reference is one shard of the global microbatches;
 * `f`: every `Rng` seed folded by the shard's index (`jax.random.fold_in(seed, d)`) for
   the shard's forward passes and restored after; without `f`, the seeds as stored.
 
