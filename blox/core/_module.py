@@ -13,7 +13,7 @@ import numpy as np
 
 from blox.core._errors import BloxKeyError
 from blox.core._graph import Graph
-from blox.core._params import Params, Path, _make_info, _thaw, format_path
+from blox.core._params import Params, Path, _make_info, _thaw, format_path, fsdp_read_error
 
 if TYPE_CHECKING:
     from blox.core._rng import Rng
@@ -266,7 +266,10 @@ class Module:
 
         When the parameter exists, its stored shape must equal `shape` (or, inside
         ``jax.shard_map``, be its per-device shard: `shape` divided along dimensions by
-        the sizes of distinct manual mesh axes in scope) and its dtype must be of the same
+        the sizes of distinct manual mesh axes in scope, as hand-written tensor
+        parallelism passes it; a leaf marked as an FSDP shard inside an FSDP step is
+        refused with a `ValueError` naming it and ``blox.parallel.fsdp_call``, which
+        gathers it) and its dtype must be of the same
         kind as `dtype` (floating, integer, bool, complex or PRNG
         key; a floating parameter cast to another width, e.g. bf16, is accepted).
         When it is missing and the params are unlocked, ``init(key, shape, dtype)``
@@ -290,6 +293,9 @@ class Module:
         idx = params._struct.index.get(path)
         if idx is not None:
             value = params._values[idx]
+            err = fsdp_read_error(path, params._struct.infos[idx], value)
+            if err is not None:
+                raise err
             if shape is not None:
                 self._check_existing(path, value, tuple(shape), dtype)
             return value, params

@@ -28,6 +28,39 @@ Path = tuple[str, ...]
 #: ``blox.parallel.fsdp_call``, which gathers it.
 FSDP_MARK = "fsdp"
 
+_FSDP_READ = (
+    "Parameter '{path}' is this device's FSDP shard {shape} of a weight sharded over "
+    "{axis!r} along dimension {dim}, and it was read outside bp.fsdp_call: the layer would "
+    "compute on its local piece of the weight (wrong numbers, or a shape error that does "
+    "not say why). In the FSDP loss function, call the layer through fsdp_call, which "
+    "gathers its weights:\n"
+    "    y, params = bp.fsdp_call(layer, params, x)\n"
+    "A weight used by two layers (tied embeddings) needs under= covering its path, e.g. "
+    "bp.fsdp_call(fn, params, x, under={prefix!r})."
+)
+
+
+def fsdp_read_error(path: Path, info: tuple, value: Any) -> ValueError | None:
+    """The error for reading a leaf marked as an FSDP shard (`FSDP_MARK`) outside
+    ``fsdp_call``, or None for any other leaf. Cheap: a look at its metadata."""
+    meta = info[1]
+    if not meta:
+        return None
+    for k, v in meta:
+        if k == FSDP_MARK:
+            axis, dim, *_ = _thaw(v)
+            shape = tuple(getattr(value, "shape", ()))
+            return ValueError(
+                _FSDP_READ.format(
+                    path=format_path(path),
+                    shape=shape,
+                    axis=axis,
+                    dim=dim,
+                    prefix=format_path(path[:-1]),
+                )
+            )
+    return None
+
 __all__ = ["Param", "Params", "Path", "format_path"]
 
 
@@ -431,8 +464,19 @@ class Params:
         (2, 3)
         >>> params.value(('net', 'b')) is None, params.value(('net', 'b'), 0.0)
         (True, 0.0)
+
+        Raises:
+          ValueError: the leaf is one device's FSDP shard inside an FSDP step (read it
+            through ``blox.parallel.fsdp_call``, which gathers it); the message names it.
         """
-        return self._get_value(_check_path(path), default)
+        path = _check_path(path)
+        i = self._struct.index.get(path)
+        if i is None:
+            return default
+        err = fsdp_read_error(path, self._struct.infos[i], self._values[i])
+        if err is not None:
+            raise err
+        return self._values[i]
 
     def __contains__(self, path: object) -> bool:
         return isinstance(path, tuple) and path in self._struct.index

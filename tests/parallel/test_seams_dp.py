@@ -227,3 +227,34 @@ def test_the_lowered_step_reduces_bf16_gradients_in_f32(kind):
     assert ops, f"no {op} in the lowered step"
     types = {t for o in ops for t in re.findall(r"x(bf16|f32)>", o)}
     assert types == {"f32"}, ops
+
+
+# ---------------------------------------------------------------------------
+# Item 4: an FSDP shard read outside fsdp_call
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("min_size", [0, 1024])
+def test_a_layer_called_without_fsdp_call_raises_naming_the_leaf_and_fsdp_call(min_size):
+    """The trial's mistake: the loss calls the layer directly. With min_size=0 the bias is
+    sharded too (the layer computed on its local shards: a wrong loss); with the default
+    the kernel alone is (a broadcasting error). Both now name the kernel and fsdp_call."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    fc = bx.Linear(g / "fc", 64, rng)
+    x = jnp.ones((4, 32))
+
+    def loss_fn(p, x):
+        y, p = fc(p, x)  # should be bp.fsdp_call(fc, p, x)
+        return jnp.mean(y**2), p
+
+    params = fc(rng.seed(bx.Params(), seed=0), x)[1].locked()
+    mesh = _mesh(2)
+    specs = bp.fsdp_specs(params, mesh, min_size=min_size)
+    assert specs[("net", "fc", "kernel")].value != P()
+    step = jax.jit(bp.make_fsdp_train_step(loss_fn, optax.sgd(0.1), mesh, specs))
+    placed = _put(params, mesh, specs)
+    with pytest.raises(
+        ValueError, match=r"(?s)'net/fc/kernel' is this device's FSDP shard.*fsdp_call"
+    ):
+        step(placed, optax.sgd(0.1).init(placed.split()[0]), x)
