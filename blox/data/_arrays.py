@@ -10,6 +10,31 @@ import numpy as np
 __all__ = ["ArraySource"]
 
 
+# Elements per block of the finiteness check (bounds its temporary mask).
+_FINITE_BLOCK = 1 << 24
+
+
+def _check_finite(name: str, v: np.ndarray) -> None:
+    """Raises naming the first NaN or inf of float or complex array `v` (checked in
+    blocks of examples, so the temporary mask stays small)."""
+    if v.dtype.kind not in "fc" or v.size == 0:
+        return
+    step = max(1, _FINITE_BLOCK // max(1, v.size // v.shape[0]))
+    for a in range(0, v.shape[0], step):
+        ok = np.isfinite(v[a : a + step])
+        if ok.all():
+            continue
+        first = np.unravel_index(int(np.argmin(ok)), ok.shape)
+        first = (first[0] + a, *first[1:])
+        raise ValueError(
+            f"ArraySource: array {name!r} holds {v[first]} at example {first[0]} (element "
+            f"{[int(i) for i in first]}), its first non-finite value in example order. "
+            "Statistics and losses over it would be nan. Clean or drop those examples, "
+            "or pass check_finite=False to keep them on purpose (e.g. NaN marking missing "
+            "values that the loss masks)."
+        )
+
+
 class ArraySource:
     """Arrays that share their leading axis, as a Grain random-access source.
 
@@ -23,7 +48,8 @@ class ArraySource:
 
     **Finite values**: the arrays are in memory, so checking them is one cheap pass: a
     float or complex array holding NaN or inf is refused here, naming the array, the
-    first bad example and its element (``check_finite=False`` keeps them, e.g. NaN
+    first bad example and its element (a ``np.memmap`` is not read for this;
+    `channel_stats` checks what it reads). ``check_finite=False`` keeps them (e.g. NaN
     marking missing values that the loss masks; `channel_stats` then needs
     ``check_finite=False`` too, and gives NaN statistics for those channels).
 
@@ -61,20 +87,9 @@ class ArraySource:
             )
         self._n = next(iter(sizes.values()))
         if check_finite:
-            for k, v in self.arrays.items():
-                if v.dtype.kind not in "fc":
-                    continue
-                ok = np.isfinite(v)
-                if not ok.all():
-                    first = np.unravel_index(int(np.argmin(ok)), v.shape)
-                    raise ValueError(
-                        f"ArraySource: array {k!r} holds {v[first]} at example {first[0]} "
-                        f"(element {[int(i) for i in first]}), the first of "
-                        f"{int(ok.size - ok.sum())} non-finite values. Statistics and "
-                        "losses over it would be nan. Clean or drop those examples, or pass "
-                        "check_finite=False to keep them on purpose (e.g. NaN marking "
-                        "missing values that the loss masks)."
-                    )
+            for k, v in arrays.items():
+                if not isinstance(v, np.memmap):  # a file's map: not read here
+                    _check_finite(str(k), self.arrays[str(k)])
 
     def __len__(self) -> int:
         return self._n

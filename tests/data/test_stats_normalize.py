@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import blox as bx
+import blox.data._arrays
 from blox.data import ArraySource, Normalize, WindowedSource, channel_stats
 from tests.data.helpers import recordings, write_h5
 from tests.tolerances import tol
@@ -219,13 +220,22 @@ def test_channel_stats_names_the_first_non_finite_sample(tmp_path, value, file, 
         Normalize(bx.Graph("m") / "n", got.mean, np.ones_like(got.std))
 
 
-def test_array_source_refuses_non_finite_values_unless_told():
+@pytest.mark.parametrize("block", [1 << 24, 24, 30], ids=["one-block", "1-per-block", "odd"])
+def test_array_source_refuses_non_finite_values_unless_told(monkeypatch, tmp_path, block):
+    monkeypatch.setattr(blox.data._arrays, "_FINITE_BLOCK", block)  # examples per check
     x = np.random.default_rng(0).normal(size=(6, 4, 3, 2))
     x[4, 1, 2, 0] = np.inf
     x[3, 2, 0, 1] = np.nan  # the first in example order
-    first = r"array 'x' holds nan at example 3 \(element \[3, 2, 0, 1\]\), the first of 2 "
-    with pytest.raises(ValueError, match=first + r"non-finite.*check_finite=False"):
+    first = r"array 'x' holds nan at example 3 \(element \[3, 2, 0, 1\]\), its first non-"
+    with pytest.raises(ValueError, match=first + r"finite value.*check_finite=False"):
         ArraySource({"x": x, "y": np.arange(6)})
+    with pytest.raises(ValueError, match=r"holds inf at example 4 \(element \[4, 1, 2, 0\]"):
+        ArraySource({"x": np.where(np.isnan(x), 0.0, x)})
+    # a file's memory map is not read when the source is built; channel_stats checks it
+    mm = np.memmap(tmp_path / "x.npy", dtype=np.float64, mode="w+", shape=x.shape)
+    mm[:] = x
+    with pytest.raises(ValueError, match=r"signal 'x' holds nan at array 'x', example 3"):
+        channel_stats(ArraySource({"x": mm}))
     ArraySource({"x": np.zeros(x.shape, np.int64), "y": np.arange(6)})  # ints: always finite
     src = ArraySource({"x": x, "y": np.arange(6)}, check_finite=False)
     with pytest.raises(ValueError, match=r"signal 'x' holds nan at array 'x', example 3, "
