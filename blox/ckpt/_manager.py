@@ -548,8 +548,14 @@ class CheckpointManager:
                 # Started once Orbax has copied the arrays to host memory, so that the
                 # copy does not wait behind the checksum program on the device; the
                 # commit (in Orbax's background thread) waits for the sums and writes
-                # them into the step before it is committed.
-                slot.fill(start_checksums(_named_leaves(state)) if started else None)
+                # them into the step before it is committed. The slot is always filled
+                # (None: abandoned), so the commit never waits for sums that never come.
+                pending = None
+                try:
+                    if started:
+                        pending = start_checksums(_named_leaves(state))
+                finally:
+                    slot.fill(pending)
         if saved:
             self._known.add(step)
             if self._pending is not None and self._pending[0] == step:
