@@ -315,6 +315,10 @@ def test_a_file_changed_after_indexing_raises_at_open(tmp_path, how):
     np.testing.assert_array_equal(fresh[1]["y"][:, 0], y2[4:8])
     index = HDF5Index([path], ["y"], max_open_files=1).reindex()
     np.testing.assert_array_equal(index.read(0, "y", 2, 5), y2[2:5])
+    fresh.index.close()
+    os.replace(path, path + ".moved")
+    with pytest.raises(FileNotFoundError, match=rf"'{re.escape(path)}' was indexed but is gone"):
+        fresh[0]
 
 
 def test_a_changed_file_raises_through_the_cache(tmp_path):
