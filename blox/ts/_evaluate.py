@@ -117,11 +117,23 @@ def evaluate_free_run(
     Returns:
       ``(metrics, simulations)``: the metrics dict and one ``[T, Cy]`` array per
       recording.
+
+    Raises:
+      ValueError: no recordings, or a recording no longer than `n_skip` (none of it
+        would be scored), named by its index and length.
     """
     if not recordings:
         raise ValueError("evaluate_free_run: give at least one recording {'u': .., 'y': ..}.")
     n_skip = model.n_skip if n_skip is None else n_skip
     simulator = simulator if simulator is not None else make_simulator(model)
+    for i, rec in enumerate(recordings):
+        t = len(rec["u"])
+        if t <= n_skip:
+            raise ValueError(
+                f"evaluate_free_run: recording {i} has {t} time steps, no more than "
+                f"n_skip={n_skip}, so none of it is scored. Use recordings longer than "
+                f"{n_skip} steps, leave it out, or pass a smaller n_skip."
+            )
     sims, errs, targets = [], [], []
     for rec in recordings:
         sim = free_run(model, params, rec["u"], rec["y"], simulator=simulator)

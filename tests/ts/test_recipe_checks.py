@@ -117,3 +117,19 @@ def test_validation_recordings_that_cannot_be_scored_are_refused_before_training
             for r in valid]  # fmt: skip
     with pytest.raises(ValueError, match="ran out after 0 of 1 steps"):
         fit(warm)
+
+
+def test_evaluate_free_run_refuses_a_recording_no_longer_than_n_skip(setup):
+    # outside fit_sysid the same short recording gave "[0, T) = [0, 0)" alone, and among
+    # longer ones it was silently scored on nothing
+    model, params, _, valid = setup
+    from blox.ts import evaluate_free_run
+
+    short = {k: v[:N_SKIP] for k, v in valid[0].items()}
+    for recs, i in (([short], 0), ([valid[0], short], 1)):
+        with pytest.raises(
+            ValueError,
+            match=rf"evaluate_free_run: recording {i} has {N_SKIP} time steps, no more than "
+            rf"n_skip={N_SKIP}",
+        ):
+            evaluate_free_run(model, params, recs)
