@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from blox.ckpt._verify import verify
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -26,9 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("directory", help="the checkpoint root directory")
     check.add_argument("--step", type=int, default=None, help="only this step")
     args = parser.parse_args(argv)
-
-    from blox.ckpt._verify import verify  # after parsing: --help needs no JAX
-
     try:
         rows = verify(args.directory, args.step)
     except ValueError as e:
