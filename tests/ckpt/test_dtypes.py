@@ -88,35 +88,48 @@ def test_every_dtype_is_summed_on_the_host_and_on_the_device_as_documented():
     assert _checksum.host_checksum(a) != _checksum.host_checksum(b)
 
 
-def _x64_state():
+def _x64_state(big: str):
+    """A state of 64-bit (and other) leaves; the leaf `big` is a 32 x 32 random array of
+    its dtype: incompressible, the largest data chunk on disk."""
     rs = np.random.default_rng(0)
-    return {
-        # 32 x 32 random float64: incompressible, the largest data chunk on disk.
-        "f64": jnp.asarray(rs.standard_normal((32, 32)), jnp.float64),
-        "i64": jnp.asarray(rs.integers(-(2**62), 2**62, 6), jnp.int64),
-        "u64": jnp.asarray(rs.integers(0, 2**63, 6, dtype=np.uint64) * 2, jnp.uint64),
-        "c128": jnp.asarray(rs.standard_normal(3) + 1j * rs.standard_normal(3), jnp.complex128),
-        "mask": jnp.asarray(rs.standard_normal(5) > 0),
-        "half": jnp.asarray(rs.standard_normal(5), jnp.bfloat16),
-        "host": rs.standard_normal(4),  # a NumPy float64 leaf
-        "step": 3,
-        "lr": 0.125,
+
+    def values(dtype, n):
+        if dtype == "float64":
+            return rs.standard_normal(n)
+        if dtype == "int64":
+            return rs.integers(-(2**62), 2**62, n)
+        if dtype == "uint64":
+            return rs.integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2)
+        return rs.standard_normal(n) + 1j * rs.standard_normal(n)  # complex128
+
+    state = {
+        d: jnp.asarray(values(d, (32, 32) if d == big else 3), d)
+        for d in ("float64", "int64", "uint64", "complex128")
     }
+    state.update(
+        mask=jnp.asarray(rs.standard_normal(5) > 0),
+        half=jnp.asarray(rs.standard_normal(5), jnp.bfloat16),
+        host=rs.standard_normal(4),  # a NumPy float64 leaf
+        step=3,
+        lr=0.125,
+    )
+    return state
 
 
-def test_x64_state_round_trips_and_a_corrupted_64_bit_leaf_is_caught(tmp_path):
+@pytest.mark.parametrize("big", ["float64", "int64", "uint64", "complex128"])
+def test_x64_state_round_trips_and_a_corrupted_64_bit_leaf_is_caught(tmp_path, big):
     with jax.enable_x64(True):
-        state = _x64_state()
+        state = _x64_state(big)
         with ckpt.CheckpointManager(tmp_path) as mngr:
             mngr.save(3, state)
         mngr = ckpt.CheckpointManager(tmp_path)
         leaves = mngr.description()["leaves"]
         assert all("checksum" in e for e in leaves.values()), leaves  # every leaf summed
-        tree_equal(mngr.restore(_x64_state()), state)
+        tree_equal(mngr.restore(_x64_state(big)), state)
         flip_bytes(tmp_path, 3)
-        with pytest.raises(ckpt.CheckpointError, match=r"step 3 is corrupted.*: f64\.") as info:
-            mngr.restore(_x64_state())
-        assert info.value.leaves == ["f64"]
+        with pytest.raises(ckpt.CheckpointError, match=rf"step 3 is corrupted.*: {big}\.") as e:
+            mngr.restore(_x64_state(big))
+        assert e.value.leaves == [big]
 
 
 def _f32_state(seed=0):
