@@ -20,11 +20,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from blox.core import Params, Rng
 from blox.core._guards import (
     check_no_new_params,
+    check_placement,
     check_reduce_dtype,
     check_rngs_listed,
     reduce_dtype_of,
@@ -597,6 +598,106 @@ def make_dp_train_step(
     return step
 
 
+_SCALAR_LEAF = (
+    "{where}: batch leaf {leaf} is a scalar (shape {shape}); every batch argument is split "
+    "over the data axis {axis!r} along its first dimension, and a scalar has none. Pass a "
+    "per-step constant another way: close over it (functools.partial(loss_fn, scale=s), "
+    "or a jnp value the loss reads), or store it in params as a non-trainable leaf; give "
+    "a per-example value a leading batch dimension."
+)
+
+_PARTIAL_BATCH = (
+    "{where}: batch leaf {leaf} of shape {shape} has {rows} rows, not divisible by "
+    "data-parallel size {dp} x microbatches {k} = {n}. A partial final batch cannot be "
+    "split into equal parts over the shards: drop it (drop_remainder=True in "
+    "blox.data.pipeline or your loader), or pad it to a multiple of {n} rows and give the "
+    "padding weight 0 (a mask in the loss and aux['weight'] = jnp.sum(mask), which makes "
+    "the padded rows count for nothing; see dp_value_and_grad)."
+)
+
+
+def _check_batch_rows(batch: tuple, dp: int, k: int, axis: str, where: str) -> None:
+    """Every batch leaf has a first dimension divisible by ``dp * k`` (names the leaf,
+    and for a scalar or a partial batch says what to do)."""
+    for kp, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        shape = tuple(jnp.shape(leaf))
+        name = f"batch{jax.tree_util.keystr(kp)}"
+        if not shape:
+            raise ValueError(_SCALAR_LEAF.format(where=where, leaf=name, shape=shape, axis=axis))
+        if shape[0] % (dp * k):
+            raise ValueError(
+                _PARTIAL_BATCH.format(
+                    where=where, leaf=name, shape=shape, rows=shape[0], dp=dp, k=k, n=dp * k
+                )
+            )
+
+
+def _norm_spec(spec: Any, rank: int, keep: set) -> tuple:
+    """A spec as one tuple of axis names per dimension, only the axes in `keep`."""
+    entries = list(spec) + [None] * (rank - len(spec))
+    out = []
+    for e in entries[:rank]:
+        names = () if e is None else (tuple(e) if isinstance(e, tuple) else (e,))
+        out.append(tuple(n for n in names if n in keep))
+    return tuple(out)
+
+
+def _check_param_layout(params: Params, specs: Params, mesh: Mesh, where: str) -> None:
+    """Each param is laid out over the mesh's Explicit axes as `specs` says (its type
+    carries the layout, traced or not), else a ValueError naming the leaf, both layouts
+    and the one-line fix; JAX's own error ("in_specs ... does not match") names neither
+    the path nor the specs. Auto axes are not checked (the compiler reshards them)."""
+    explicit = {
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
+    }
+    if not explicit or not isinstance(specs, Params):
+        return
+    want_all = specs.arrays()
+    for key, x in params.arrays().items():
+        want = want_all.get(key)
+        if not isinstance(want, PartitionSpec) or not hasattr(x, "ndim"):
+            continue
+        try:
+            sharding = jax.typeof(x).sharding
+        except Exception:
+            continue
+        have_mesh = getattr(sharding, "mesh", None)
+        have = sharding.spec if have_mesh is not None and not have_mesh.empty else ()
+        if _norm_spec(have, x.ndim, explicit) == _norm_spec(want, x.ndim, explicit):
+            continue
+        fsdp = where.startswith("make_fsdp") or where.startswith("fsdp")
+        source = "fsdp_specs" if fsdp else "param_specs"
+        now = (
+            f"laid out as {PartitionSpec(*have)}"
+            if have_mesh is not None and not have_mesh.empty
+            else "not on the mesh (a single-device or host array)"
+        )
+        raise ValueError(
+            f"{where}: parameter '{format_path(key)}' {x.dtype}{list(x.shape)} is {now}, "
+            f"but the step's specs ({source}) have "
+            f"{want}. Place the params (and build the optimizer state) with the specs "
+            "before the step:\n"
+            "    params = bp.place(params, specs, mesh=mesh)\n"
+            "    opt_state = bp.place(opt_state, bp.opt_state_specs(opt_state, specs), "
+            "mesh=mesh)"
+        )
+
+
+def _onto_mesh(x: Any, mesh: Mesh, spec: PartitionSpec) -> Any:
+    """A batch leaf laid out on the mesh: a concrete array on other devices (the step
+    called outside ``jax.jit``) is transferred (``jax.device_put``), anything else is
+    resharded in the program (`constrain`). Under the user's ``jax.jit`` a committed
+    array on other devices cannot be seen here: JAX refuses it before tracing (see
+    docs/parallel.md)."""
+    if (
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and x.sharding.device_set != set(mesh.devices.flat)
+    ):
+        return jax.device_put(x, NamedSharding(mesh, spec))
+    return constrain(x, mesh, spec)
+
+
 def sharded_train_step(
     grad_fn: Callable,
     tx: optax.GradientTransformation,
@@ -622,21 +723,13 @@ def sharded_train_step(
     """
     if not isinstance(params, Params):
         raise TypeError(f"{where}: params must be bx.Params, got {type(params).__name__}.")
+    check_placement((params, opt_state, batch), where)
     _check_global_batch(batch, mesh, axis)
-    dp = mesh.shape[axis]
-    for kp, leaf in jax.tree_util.tree_leaves_with_path(batch):
-        shape = tuple(jnp.shape(leaf))
-        if not shape or shape[0] % (dp * microbatches):
-            rows = "a scalar" if not shape else f"{shape[0]} rows"
-            raise ValueError(
-                f"{where}: batch leaf {jax.tree_util.keystr(kp)} of shape {shape} has "
-                f"{rows}, not divisible by data-parallel size {dp} x microbatches "
-                f"{microbatches} = {dp * microbatches}. Use a global batch that is a "
-                f"multiple of {dp * microbatches} (or drop the remainder)."
-            )
+    _check_batch_rows(batch, mesh.shape[axis], microbatches, axis, where)
+    _check_param_layout(params, specs, mesh, where)
     trainable, _ = params.split(predicate)
     t_specs, _ = specs.split(lambda p, _: p in trainable)
-    batch = tuple(jax.tree.map(lambda x: constrain(x, mesh, batch_spec), b) for b in batch)
+    batch = tuple(jax.tree.map(lambda x: _onto_mesh(x, mesh, batch_spec), b) for b in batch)
     in_specs = (specs, *(jax.tree.map(lambda _: batch_spec, b) for b in batch))
     out_specs = (PartitionSpec(), t_specs, specs)
     value, grads, params = jax.shard_map(

@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from blox.core._guards import stale_mesh
+
 __all__ = ["bound_axes", "describe_mesh", "make_mesh", "place"]
 
 _AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
@@ -249,17 +251,29 @@ def constrain(x: Any, mesh: Mesh, spec: PartitionSpec) -> Any:
 # ---------------------------------------------------------------------------
 
 
-def _target_sharding(target: Any) -> jax.sharding.Sharding:
+def _is_target(t: Any) -> bool:
+    return isinstance(t, (jax.Device, jax.sharding.Sharding, Mesh, PartitionSpec))
+
+
+def _target_sharding(target: Any, mesh: Mesh | None = None) -> jax.sharding.Sharding:
     if isinstance(target, Mesh):
         return NamedSharding(target, PartitionSpec())
     if isinstance(target, jax.sharding.Sharding):
         return target
     if isinstance(target, jax.Device):
         return jax.sharding.SingleDeviceSharding(target)
+    if isinstance(target, PartitionSpec):
+        if mesh is None:
+            raise TypeError(
+                f"place: a PartitionSpec target ({target}) needs the mesh: "
+                "bp.place(params, specs, mesh=mesh)."
+            )
+        return NamedSharding(mesh, target)
     raise TypeError(
-        f"place: target must be a jax.Device, a jax.sharding.Sharding or a Mesh (replicated "
-        f"over it), got {type(target).__name__}. E.g. bp.place(params, jax.devices()[0]) or "
-        "bp.place(batch, NamedSharding(mesh, P('data')))."
+        f"place: target must be a jax.Device, a jax.sharding.Sharding, a Mesh (replicated "
+        f"over it) or a tree of those (or of PartitionSpecs, with mesh=), got "
+        f"{type(target).__name__}. E.g. bp.place(params, jax.devices()[0]), "
+        "bp.place(batch, NamedSharding(mesh, P('data'))) or bp.place(params, specs, mesh=mesh)."
     )
 
 
@@ -283,9 +297,10 @@ def _whole(x: jax.Array, device: Any, name: str) -> Any:
     return local.data
 
 
-def place(tree: Any, target: Any) -> Any:
+def place(tree: Any, target: Any, *, mesh: Mesh | None = None) -> Any:
     """Every array of `tree` (params, optimizer state, a rollout, a batch) moved onto
-    `target`: one device, a ``Sharding``, or a ``Mesh`` (replicated over it).
+    `target`: one device, a ``Sharding``, a ``Mesh`` (replicated over it), or a tree of
+    those, one per leaf (e.g. the ``PartitionSpec`` tree of `fsdp_specs` with `mesh`).
 
     Use it instead of ``jax.device_put(tree, device)`` to take arrays off a mesh, e.g.
     the learner's params to an actor's device. JAX 0.10's ``device_put`` of an array
@@ -295,21 +310,25 @@ def place(tree: Any, target: Any) -> Any:
     enter your jit into a mesh context via jax.set_mesh", which does not help. `place`
     gives each leaf a single-device array with no mesh in its type (the whole value,
     copied from the local shard of a replicated layout, gathered first if sharded), then
-    ``device_put``s it on `target`. Onto a mesh sharding (a rollout into a data-parallel
-    step) it is ``jax.device_put`` of those arrays.
+    ``device_put``s it on `target`. A leaf that stays on the same devices (a rollout
+    onto the mesh it is on, params onto their FSDP layout) is resharded directly.
 
     Args:
       tree: any pytree of arrays (``jax.Array``, NumPy, Python scalars); `Params` keep
         their paths, flags and metadata.
       target: a ``jax.Device``, a ``jax.sharding.Sharding`` (e.g. ``NamedSharding(mesh,
-        P('data'))`` for a batch) or a ``Mesh`` (every leaf replicated, ``P()``).
+        P('data'))`` for a batch) or a ``Mesh`` (every leaf replicated, ``P()``); or a
+        tree with one of those (or a ``PartitionSpec``) per leaf of `tree`, such as the
+        specs from `fsdp_specs` or `param_specs`.
+      mesh: the mesh of ``PartitionSpec`` targets.
 
     Returns:
       The same tree with every leaf on `target`.
 
     Raises:
-      TypeError: a `target` of another type.
-      ValueError: a leaf that spans devices of other processes (naming it).
+      TypeError: a `target` of another type, or PartitionSpecs without `mesh`.
+      ValueError: a leaf that spans devices of other processes (naming it); a target
+        tree with another number of leaves.
 
     >>> import jax, jax.numpy as jnp, blox as bx
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -324,23 +343,36 @@ def place(tree: Any, target: Any) -> Any:
     >>> float(jax.jit(lambda p: p.value(('fc', 'kernel')).sum())(actor))
     16.0
     """
-    sharding = _target_sharding(target)
-    single = (
-        next(iter(sharding.device_set))
-        if isinstance(sharding, jax.sharding.SingleDeviceSharding)
-        else None
-    )
+    if _is_target(target):
+        targets = None
+        sharding = _target_sharding(target, mesh)
+    else:
+        targets = jax.tree.leaves(target, is_leaf=_is_target)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if targets is not None and len(targets) != len(leaves):
+        raise ValueError(
+            f"place: the target tree has {len(targets)} leaves for the {len(leaves)} leaves "
+            "of the tree; give one target per leaf (e.g. the specs of these params), or a "
+            "single device, sharding or mesh for all."
+        )
     out = []
-    for kp, x in leaves:
+    for i, (kp, x) in enumerate(leaves):
         name = jax.tree_util.keystr(kp) or "<root>"
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-            x = _whole(x, single, name)
-        elif isinstance(x, jax.core.Tracer):
+        s = sharding if targets is None else _target_sharding(targets[i], mesh)
+        if isinstance(x, jax.core.Tracer):
             raise TypeError(
                 f"place: leaf {name} is traced (place was called inside jax.jit); it moves "
                 "concrete arrays between calls. Under jit use jax.sharding.reshard or "
                 "out_shardings."
             )
-        out.append(jax.device_put(x, sharding))
+        if isinstance(x, jax.Array):
+            same = x.sharding.device_set == s.device_set and stale_mesh(x) is None
+            if not same:
+                single = (
+                    next(iter(s.device_set))
+                    if isinstance(s, jax.sharding.SingleDeviceSharding)
+                    else None
+                )
+                x = _whole(x, single, name)
+        out.append(jax.device_put(x, s))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -258,3 +258,92 @@ def test_a_layer_called_without_fsdp_call_raises_naming_the_leaf_and_fsdp_call(m
         ValueError, match=r"(?s)'net/fc/kernel' is this device's FSDP shard.*fsdp_call"
     ):
         step(placed, optax.sgd(0.1).init(placed.split()[0]), x)
+
+
+# ---------------------------------------------------------------------------
+# Items 11, 17, 18, 19, 20: errors that name the leaf and the fix
+# ---------------------------------------------------------------------------
+
+
+def _mlp_step(fsdp=False, n=4):
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    fc = bx.Linear(g / "fc", 64, rng)
+
+    def loss_fn(p, x):
+        y, p = bp.fsdp_call(fc, p, x)
+        return jnp.mean(y**2), p
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 32)), jnp.float32)
+    params = fc(rng.seed(bx.Params(), seed=0), x)[1].locked()
+    mesh = _mesh(n)
+    tx = optax.sgd(0.1)
+    if fsdp:
+        specs = bp.fsdp_specs(params, mesh)
+        return bp.make_fsdp_train_step(loss_fn, tx, mesh, specs), params, specs, mesh, tx, x
+    return bp.make_dp_train_step(loss_fn, tx, mesh), params, None, mesh, tx, x
+
+
+def test_a_batch_on_other_devices_is_moved_when_the_step_runs_outside_jit():
+    """Item 18: outside jax.jit the step device_puts a batch committed elsewhere (JAX
+    said "incompatible devices"); same result as the batch placed on the mesh."""
+    step, params, _, mesh, tx, x = _mlp_step()
+    p = bp.place(params, mesh)
+    o = tx.init(p.split()[0])
+    elsewhere = jax.device_put(x, jax.devices()[6])
+    got, _, m = step(p, o, elsewhere)
+    want, _, m_ref = step(p, o, jax.device_put(x, NamedSharding(mesh, P("data"))))
+    assert float(m["loss"]) == float(m_ref["loss"])
+    np.testing.assert_array_equal(
+        np.asarray(got[("net", "fc", "kernel")].value),
+        np.asarray(want[("net", "fc", "kernel")].value),
+    )
+
+
+def test_params_moved_off_the_mesh_with_device_put_raise_naming_place():
+    """Item 17: the step sees concrete params whose type keeps a mesh they left."""
+    step, params, _, mesh, tx, x = _mlp_step()
+    other = bp.make_mesh((2,), ("data",), devices=jax.devices()[4:6])
+    stale = jax.device_put(bp.place(params, other), jax.devices()[0])
+    with pytest.raises(ValueError, match=r"(?s)make_dp_train_step: leaf .*net/fc/bias.*bp\.place"):
+        step(stale, tx.init(params.split()[0]), x)
+
+
+def test_fsdp_step_given_unsharded_params_names_the_leaf_and_fsdp_specs():
+    """Item 19: JAX said "in_specs ... does not match" without a path; the message's
+    one-line fix (bp.place with the specs) then runs and equals the placed run."""
+    step, params, specs, mesh, tx, x = _mlp_step(fsdp=True)
+    step = jax.jit(step)
+    replicated = bp.place(params, mesh)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)make_fsdp_train_step: parameter 'net/fc/kernel' float32\[32, 64\] is laid "
+        r"out as P\(None, None\), but the step's specs \(fsdp_specs\) have P\(None, 'data'\).*bp\.place",
+    ):
+        step(replicated, tx.init(replicated.split()[0]), x)
+    with pytest.raises(ValueError, match=r"'net/fc/kernel' .* is not on the mesh"):
+        step(params, tx.init(params.split()[0]), x)
+    placed = bp.place(params, specs, mesh=mesh)  # the fix the message shows
+    opt = tx.init(params.split()[0])
+    opt = bp.place(opt, bp.opt_state_specs(opt, specs), mesh=mesh)
+    _, _, m = step(placed, opt, x)
+    assert np.isfinite(float(m["loss"]))
+
+
+def test_a_scalar_batch_leaf_says_scalars_do_not_split():
+    """Item 20: it said "use a global batch that is a multiple of 4"."""
+    step, params, _, mesh, tx, x = _mlp_step()
+    with pytest.raises(
+        ValueError, match=r"(?s)batch\[1\] is a scalar .*close over it.*non-trainable leaf"
+    ):
+        step(params, tx.init(params.split()[0]), x, jnp.float32(2.0))
+
+
+def test_a_partial_batch_names_drop_remainder_and_weight_0_padding():
+    """Item 11 (the step's side): a partial final batch that cannot be split evenly."""
+    step, params, _, mesh, tx, x = _mlp_step()
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)batch\[0\] of shape \(6, 32\) has 6 rows.*drop_remainder=True.*weight 0",
+    ):
+        step(params, tx.init(params.split()[0]), x[:6])
