@@ -362,14 +362,7 @@ ERRORS: dict[tuple[str, str], tuple] = {
 
 # Cells that fail on today's tree: a defect whose fix has not landed (issue 34 items).
 # They are not run (not skipped: absent) until the fix lands; the doc lists them.
-_PIPES = [p.name for p in PATHS if p.schedule]
-PENDING: dict[tuple[str, str], str] = {
-    **{("dropout", p): "item 1" for p in ("dp_pp", "fsdp_pp", "dp_tp_pp")},
-    **{("unlisted_rng", p): "item 1" for p in ("dp_pp", "fsdp_pp", "dp_tp_pp")},
-    **{("rng_counters", p): "item 6" for p in _PIPES},
-    **{("weighted_loss", p): "item 2" for p in _PIPES},
-    **{("weighted_nan", p): "item 2" for p in _PIPES},
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 CELLS = [
     Cell(f, p, ERRORS.get((f.name, p.name)))
@@ -670,7 +663,7 @@ def run(feature: Feature, path: PathSpec):
     with jax.default_matmul_precision("highest"):
         if path.schedule is None:
             return _run_step(path, m, flat, x, t, k, tx, rngs)
-        return _run_pipeline(path, m, shared, stages, x, t, k)
+        return _run_pipeline(path, m, shared, stages, x, t, k, rngs)
 
 
 def _run_step(path, m, flat, x, t, k, tx, rngs):
@@ -697,7 +690,7 @@ def _run_step(path, m, flat, x, t, k, tx, rngs):
     return metrics["loss"], None, new
 
 
-def _run_pipeline(path, m, shared, stages, x, t, k):
+def _run_pipeline(path, m, shared, stages, x, t, k, rngs):
     mesh = _mesh(path)
     v = path.v
     one = stages[0]
@@ -706,24 +699,21 @@ def _run_pipeline(path, m, shared, stages, x, t, k):
         specs = bp.param_specs(one, _tp_rules(), mesh)
     if path.fsdp:
         specs = bp.fsdp_specs(one, mesh, min_size=16)
-
-    def last_fn(params, h, targets):
-        (loss, _), params = m.last_fn(params, h, targets)
-        return loss, params
-
     step = bp.pipeline_value_and_grad(
         m.stage_fn,
-        last_fn,
+        m.last_fn,
         mesh,
         schedule=path.schedule,
         num_microbatches=k,
         first_fn=m.first_fn,
-        data_axis="data" if path.data > 1 or "data" in dict(path.mesh) else None,
+        data_axis="data" if path.folds else None,
         stage_specs=specs,
         virtual_stages=v if v > 1 else None,
+        has_aux=True,
+        rngs=[m.stage_rng, m.shared_rng] if rngs else (),
     )
     stacked = bp.stack_stages(list(stages), virtual_stages=v)
-    loss, (g, g_sh), (new_st, new_sh) = jax.jit(step)(stacked, shared, x, t)
+    (loss, _), (g, g_sh), (new_st, new_sh) = jax.jit(step)(stacked, shared, x, t)
     grads = to_flat(g_sh, bp.unstack_stages(g, virtual_stages=v))
     state = to_flat(
         new_sh.split()[1], [s.split()[1] for s in bp.unstack_stages(new_st, virtual_stages=v)]
