@@ -453,6 +453,13 @@ def _diverged(n: int, score: float, params: Params, sims: Sequence[np.ndarray],
     )
 
 
+def _read_losses(pending: list[jax.Array]) -> list[float]:
+    """The step losses held on the device, read back in one transfer."""
+    if not pending:
+        return []
+    return [float(v) for v in np.asarray(jax.device_get(pending)).reshape(-1)]
+
+
 def fit_sysid(
     model: Any,
     params: Params,
@@ -542,7 +549,8 @@ def fit_sysid(
         to print ``step=<n> loss=<repr(loss)>``.
       on_eval: called with each history entry.
       progress: show a tqdm progress bar on stderr (needs ``pip install 'blox[train]'``).
-      log_every: steps between the bar's loss updates (each one syncs).
+      log_every: steps between the bar's loss updates and the reads of the step losses
+        back from the device (each one syncs; at most `log_every` losses wait there).
 
     Returns:
       A `SysIdFit`: ``params`` (the `select`-ed ones), ``best_params``,
@@ -612,6 +620,9 @@ def fit_sysid(
                 jax.block_until_ready(params)
                 clock.compile_s = time.perf_counter() - t0
             pending.append(metrics["loss"])
+            if len(pending) >= log_every:  # O(log_every) losses on the device, not O(steps)
+                result.losses.extend(_read_losses(pending))
+                pending = []
             result.steps = n
             if on_step is not None:
                 on_step(n, float(metrics["loss"]))
@@ -647,7 +658,7 @@ def fit_sysid(
         if bar is not None:
             bar.close()
     clock.stop(params)
-    result.losses = [float(v) for v in np.asarray(jax.device_get(pending)).reshape(-1)]
+    result.losses.extend(_read_losses(pending))
     result.final_params = params
     result.compile_s, result.train_s, result.eval_s = clock.compile_s, clock.train_s, clock.eval_s
     if result.steps > 1 and clock.train_s > 0:
