@@ -6,6 +6,7 @@ It lives in `blox.ckpt` (not `blox.train`) so that `fit` itself never imports Or
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from blox.ckpt._iterator import IteratorSnapshot, check_iterator
@@ -58,6 +59,10 @@ class CheckpointCallback(Callback):
       data_iterator: the iterator whose position to save and restore, when it is not
         `fit`'s stream itself (e.g. a Grain iterator that a generator maps over);
         default: the stream when it has ``get_state``/``set_state``.
+      data_from_step: on resume, position that iterator from the step instead of its
+        saved position (`CheckpointManager.restore`'s ``data_from_step``: ``True`` for
+        batch ``step``, or a function ``step -> batches drawn``), e.g. for a
+        `blox.data.pipeline` saved by another number of processes.
 
     Example::
 
@@ -89,7 +94,13 @@ class CheckpointCallback(Callback):
     (12, [2, 3])
     """
 
-    def __init__(self, manager: CheckpointManager, *, data_iterator: Any = None):
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        *,
+        data_iterator: Any = None,
+        data_from_step: bool | Callable[[int], int] = False,
+    ):
         if not isinstance(manager, CheckpointManager):
             raise TypeError(
                 "CheckpointCallback: manager must be a blox.ckpt.CheckpointManager, got "
@@ -98,8 +109,14 @@ class CheckpointCallback(Callback):
             )
         if data_iterator is not None:
             check_iterator(data_iterator, "CheckpointCallback")
+        if not (data_from_step is False or data_from_step is True or callable(data_from_step)):
+            raise TypeError(
+                "CheckpointCallback: data_from_step must be False, True (batch = step) or a "
+                f"function step -> batches drawn, got {data_from_step!r}."
+            )
         self.manager = manager
         self.data_iterator = data_iterator
+        self.data_from_step = data_from_step
         self.restored_step: int | None = None
         self._it: Any = None
         self._last: tuple[int, dict[str, Any], IteratorSnapshot | None] | None = None
@@ -139,7 +156,11 @@ class CheckpointCallback(Callback):
         latest = mngr.latest_step()
         if latest is None:
             return
-        restored = mngr.restore(_state(state), data_iterator=self._it)
+        restored = mngr.restore(
+            _state(state),
+            data_iterator=self._it,
+            data_from_step=self.data_from_step if self._it is not None else False,
+        )
         state.params, state.opt_state = restored["params"], restored["opt_state"]
         state.step = int(restored["step"])
         state.stream_restored = self._it is not None

@@ -11,6 +11,7 @@ RNG counter must resume too), trained with Adam, in float32 and in bfloat16."""
 from __future__ import annotations
 
 import functools
+import shutil
 
 import grain
 import jax
@@ -249,6 +250,29 @@ def test_checkpoint_without_iterator_state_resumed_with_a_grain_stream(tmp_path)
     cb = ckpt.CheckpointCallback(ckpt.CheckpointManager(tmp_path))
     with pytest.raises(ValueError, match="step 4 has no data-iterator state"):
         bx.fit(step, params, opt_state, stream, callbacks=[cb], progress=False, **kwargs)
+
+
+def test_resume_positions_the_stream_from_the_step(tmp_path, references):
+    """data_from_step=True: the Grain stream is set to batch `step` instead of its saved
+    position (here removed, as for a step saved by another process count); the resumed
+    losses are the uninterrupted run's (issue 34 item 15)."""
+    ref_losses, ref_params = references["float32", "grain"]
+    _fit(tmp_path, "grain", "float32", stop_at=6)
+    for s in (5, 6):
+        shutil.rmtree(tmp_path / str(s) / "data")
+    params, opt_state, step = _problem("float32")
+    stream, kwargs, _ = _data("grain")
+    rec = Record()
+    cb = ckpt.CheckpointCallback(ckpt.CheckpointManager(tmp_path), data_from_step=True)
+    res = bx.fit(
+        step, params, opt_state, stream, epochs=EPOCHS, callbacks=[rec, cb], progress=False,
+        **kwargs,
+    )  # fmt: skip
+    assert cb.restored_step == 6 and res.steps == TOTAL
+    assert _bits(rec.losses) == _bits(ref_losses[6:])
+    assert _bits(jax.tree.leaves(res.params)) == _bits(jax.tree.leaves(ref_params))
+    with pytest.raises(TypeError, match="data_from_step must be False, True .* got 1"):
+        ckpt.CheckpointCallback(ckpt.CheckpointManager(tmp_path), data_from_step=1)
 
 
 def test_callback_argument_errors(tmp_path):
