@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import math
 import sys
 import time
@@ -100,10 +101,6 @@ class Config:
     hidden: int = 128
     cell: str = "gru"  # or "lstm"
     data_parallel: int = 1
-    # Controls for the tests (a wrong learner must be caught by the ratio check):
-    # "shifted_resets" replays with the reset flags one step early, "zero_state" from
-    # zeros instead of the stored initial state.
-    control: str = "none"
 
     @property
     def updates(self) -> int:
@@ -234,8 +231,6 @@ def build(cfg: Config) -> Parts:
         )
     if cfg.cell not in ("gru", "lstm"):
         raise ValueError(f"cell must be 'gru' or 'lstm', got {cfg.cell!r}.")
-    if cfg.control not in ("none", "shifted_resets", "zero_state"):
-        raise ValueError(f"control must be none, shifted_resets or zero_state: {cfg.control!r}")
     axis = AXIS if d > 1 else None
     e_local = e // d
     mb = e // m  # environments per minibatch
@@ -249,7 +244,8 @@ def build(cfg: Config) -> Parts:
     def lr(count):
         if not cfg.anneal_lr:
             return cfg.lr
-        return cfg.lr * (1.0 - (count // steps_per_update) / cfg.updates)
+        done = (count // steps_per_update).astype(jnp.float32)
+        return cfg.lr * (1.0 - done / cfg.updates)
 
     tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), optax.adam(lr, eps=1e-5))
 
@@ -349,10 +345,7 @@ def build(cfg: Config) -> Parts:
         """PPO's total loss on this device's share of a minibatch (batch-major)."""
         traj, state0, adv, targets = batch
         params = rest.merge(train)
-        resets = traj.done if cfg.control == "shifted_resets" else traj.is_reset
-        if cfg.control == "zero_state":
-            state0 = jax.tree.map(jnp.zeros_like, state0)
-        (logits, value), _ = agent.replay(params, traj.obs_n, state0, resets)
+        (logits, value), _ = agent.replay(params, traj.obs_n, state0, traj.is_reset)
         logp_all = jax.nn.log_softmax(logits)
         logp = jnp.take_along_axis(logp_all, traj.action[..., None], axis=-1)[..., 0]
         ratio = jnp.exp(logp - traj.logp)
@@ -399,8 +392,11 @@ def build(cfg: Config) -> Parts:
             loss, grads = pmean((loss, grads))  # the global mean over the minibatch
             if axis is not None:
                 ratio_err = jax.lax.pmax(ratio_err, axis)
-            updates, opt_state = tx.update(grads, opt_state, train)
-            return (optax.apply_updates(train, updates), opt_state), (loss, ratio_err)
+            # Optax mixes Python floats with int32 counters (Adam's b1 ** count)
+            with jax.numpy_dtype_promotion("standard"):
+                updates, opt_state = tx.update(grads, opt_state, train)
+                train = optax.apply_updates(train, updates)
+            return (train, opt_state), (loss, ratio_err)
 
         def epoch(carry, k):
             perm = jax.random.permutation(jax.random.fold_in(ro.shuffle_key, k), e)
@@ -526,13 +522,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--data-parallel", type=int, default=1, help="Anakin over D devices")
     parser.add_argument("--ckpt-dir", default=None, help="checkpoint here; resume if it holds one")
     parser.add_argument("--save-every", type=int, default=None, help="updates between saves")
-    parser.add_argument("--control", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--curve", default=None, help="write each seed's returns (JSON)")
     args = parser.parse_args(argv)
     cfg = dataclasses.replace(
         SIZES[args.size],
         cell=args.cell,
         data_parallel=args.data_parallel,
-        control=args.control,
     )
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, num_updates=args.steps)
@@ -548,8 +543,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     runner = prog.init(_seed_keys(args.seed, args.seeds))
-    history = {"loss": [], "ratio_err": [], "return_sum": [], "episodes": []}
-    run_s = 0.0
+    # per update and seed; checkpointed with the runner (the final lines need them all)
+    history = {
+        k: np.zeros((total, args.seeds), np.float32)
+        for k in ("loss", "ratio_err", "return_sum", "episodes")
+    }
+    run_s, ran_here = 0.0, 0  # this process's training time (compile excluded), updates
     with contextlib.ExitStack() as stack:
         mngr = None
         if args.ckpt_dir is not None:
@@ -558,7 +557,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             if mngr.latest_step() is not None:
                 state = mngr.restore({"runner": runner, "history": history})
-                runner, history = state["runner"], state["history"]
+                runner = state["runner"]
+                history = {k: np.array(v) for k, v in state["history"].items()}
                 done_updates = int(runner.update[0])
                 print(f"resumed from update {done_updates} of {args.ckpt_dir}", flush=True)
         compiled = {}
@@ -571,6 +571,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runner, metrics = compiled[n](runner)
             metrics = jax.device_get(metrics)
             run_s += time.perf_counter() - t1
+            ran_here += n
             for i in range(n):
                 step = start + i + 1
                 loss = float(metrics["loss"][i, 0])
@@ -581,22 +582,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     flush=True,
                 )
                 for k in history:
-                    history[k].append(np.asarray(metrics[k][i]))
+                    history[k][step - 1] = np.asarray(metrics[k][i])
             if mngr is not None:
                 mngr.save(start + n, {"runner": runner, "history": history})
-    sums = np.stack(history["return_sum"])[-10:].sum(0)
-    counts = np.stack(history["episodes"])[-10:].sum(0)
+    sums = history["return_sum"][-10:].sum(0)
+    counts = history["episodes"][-10:].sum(0)
     env_steps = total * cfg.num_envs * cfg.num_steps
     result = {"mean_return": [], "env_steps": env_steps}
     for k in range(args.seeds):
         mean_return = float(sums[k] / max(counts[k], 1.0))
         result["mean_return"].append(mean_return)
         print(f"seed={args.seed + k} env_steps={env_steps} mean_return={mean_return:.2f}")
-    ran = len(history["loss"]) - (0 if mngr is None else 0)
-    per_s = ran * args.seeds * cfg.num_envs * cfg.num_steps / max(run_s, 1e-9)
+    per_s = ran_here * args.seeds * cfg.num_envs * cfg.num_steps / max(run_s, 1e-9)
     print(f"env_steps_per_s={per_s:.1f}")
     print(f"wall_s={time.perf_counter() - t0:.1f}", flush=True)
     result["env_steps_per_s"] = per_s
+    if args.curve is not None:  # the learning curve of docs/rl.md
+        curve = {
+            "seeds": list(range(args.seed, args.seed + args.seeds)),
+            "env_steps_per_update": cfg.num_envs * cfg.num_steps,
+            "return_sum": history["return_sum"].tolist(),
+            "episodes": history["episodes"].tolist(),
+        }
+        Path(args.curve).write_text(json.dumps(curve))
     return result
 
 
