@@ -91,9 +91,10 @@ def position_iterator(it: Any, batches: Any, step: int, where: str) -> None:
     try:
         grain.experimental.set_next_index(it, int(batches))
     except (AttributeError, NotImplementedError, TypeError, ValueError) as e:
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         raise TypeError(
             f"{where}: data_from_step cannot position a {type(it).__name__} at batch "
-            f"{int(batches)} ({type(e).__name__}: {e}). It needs a Grain dataset iterator that "
+            f"{int(batches)} ({why}). It needs a Grain dataset iterator that "
             "skips to an index without reading (grain.experimental.set_next_index): "
             "iter(blox.data.pipeline(..., num_workers=0)) or iter(grain.MapDataset...). "
             "Otherwise restore without data_from_step and position the iterator yourself."
