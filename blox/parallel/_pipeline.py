@@ -894,8 +894,10 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
     local, shared, seeds_st, seeds_sh = _fold_rngs(cfg, local, shared)
     tr, st = local.split()
     # FSDP inside the stage: the leaves `stage_specs` shards over the data axis hold local
-    # shards, marked for `fsdp_call` (gather before use, reduce-scatter the gradient).
-    tr = _with_marks(tr, {k: (cfg.data_axis, d) for k, d in cfg.fsdp})
+    # shards, marked for `fsdp_call` (gather before use, reduce-scatter the gradient in
+    # the reduction dtype).
+    rd = None if cfg.reduce is None else str(cfg.reduce)
+    tr = _with_marks(tr, {k: (cfg.data_axis, d, rd) for k, d in cfg.fsdp})
     tr_sh, st_sh = shared.split()
     xs = _split_batch(_vary(inputs, axes), m)
     ys = _split_batch(_vary(targets, axes), m)
@@ -1107,8 +1109,9 @@ def pipeline_value_and_grad(
       third mesh axis: pass their layout as `stage_specs`.
     * `first_fn` ``(params, inputs_mb) -> (h, params)`` (optional; default identity): runs
       on stage 0 only, e.g. the token embedding.
-    * `last_fn` ``(params, h, targets_mb) -> (loss, params)``: runs on stage ``p - 1``
-      only, e.g. final norm, head and the mean loss of one microbatch.
+    * `last_fn` ``(params, h, targets_mb) -> (loss, params)`` (with `has_aux`:
+      ``((loss, aux), params)``): runs on stage ``p - 1`` only, e.g. final norm, head and
+      the mean loss of one microbatch.
 
     `first_fn` and `last_fn` take `shared_params` (replicated on every stage; their
     gradients are summed over the stages, so a tied embedding used by both gets both
@@ -1116,6 +1119,21 @@ def pipeline_value_and_grad(
     mean of the microbatch losses (equal to the full-batch loss when `last_fn` returns a
     mean) and the gradients are of that loss. With `data_axis`, the batch is first split
     over that axis (DP x PP): loss and gradients are averaged over it, once per step.
+
+    Weighting (as `blox.parallel.dp_value_and_grad`): when `aux` is a dict with
+    ``aux['weight']`` (the real examples or tokens the microbatch's loss averages over,
+    e.g. ``jnp.sum(mask)``), the loss, the gradients and the floating aux leaves are
+    ``sum_i w_i x_i / sum_i w_i`` over all microbatches of all data shards: the masked
+    mean of the global batch, as DP and FSDP give it. A microbatch of weight 0 adds 0 to
+    the loss and the gradients even when its loss is NaN (its stages' activations must
+    be finite); integer aux leaves are summed, ``aux['weight']`` is the total.
+
+    Shared state: `first_fn` (stage 0) and `last_fn` (stage ``p - 1``) each thread the
+    shared non-trainable state through their microbatches; each leaf comes back with the
+    changes of the function that changes it. A leaf both change must be an `Rng` counter
+    (a fixed number of draws per call): it is counted as on one device (`first_fn` of
+    microbatch ``i`` sees ``c0 + i (a + b)``, `last_fn` ``c0 + i (a + b) + a``: the
+    one-device keys; ``c0 + m (a + b)`` returned); any other raises naming the leaf.
 
     Cost and memory: a time slot costs the same at any ``m`` (no buffer that grows with
     ``m`` enters a conditional). Kept from a microbatch's forward to its backward: the
@@ -1158,6 +1176,20 @@ def pipeline_value_and_grad(
         which `stage_fn` must call per layer (gather before use, reduce-scatter of the
         gradient); those gradients are divided by ``D`` instead of averaged again.
         With virtual stages the leaves are sharded ``P(None, stage_axis, *spec)``.
+      has_aux: `last_fn` returns ``((loss, aux), params)``; ``aux['weight']`` weights
+        the mean (above); the step then returns ``(loss, aux)`` in place of ``loss``.
+      rngs: the `Rng` modules whose seeds are folded with the `data_axis` index inside
+        the step (`fold_seeds`) and restored after, as in `make_dp_train_step`: dropout
+        masks differ between data shards (shard ``k`` runs as one device would with each
+        listed seed replaced by ``fold_in(seed, k)``). In `stage_params` (each stage's
+        seed) or `shared_params`. With `data_axis`, an `Rng` that draws in a function but
+        is not listed raises. Without `data_axis` they are left as they are.
+      reduce_dtype: the dtype of the gradient accumulation over microbatches, of the
+        loss and aux sums and of the pipeline's collectives (the stage ``psum`` of the
+        shared gradients, the data-axis ``psum``, FSDP stage leaves' reduce-scatter).
+        Default ``None``: float32 for bf16 / fp16 leaves, each leaf's dtype otherwise
+        (torchtitan's ``MixedPrecisionPolicy(reduce_dtype=float32)``). Gradients are
+        returned in their params' dtypes, the loss in its own.
       virtual_stages: ``v``, the stage chunks per device (``'interleaved'`` needs
         ``v >= 2``); ``None``: 1, or the `Schedule`'s own. With ``v > 1`` the model has
         ``v p`` stages and `stage_params` leaves are ``(v, p, ...)``
@@ -1167,13 +1199,19 @@ def pipeline_value_and_grad(
 
     Returns:
       ``step(stage_params, shared_params, inputs, targets) -> (loss, (stage_grads,
-      shared_grads), (stage_params, shared_params))``, to call under ``jax.jit``:
+      shared_grads), (stage_params, shared_params))`` (``(loss, aux)`` first with
+      `has_aux`), to call under ``jax.jit``:
       `stage_params` leaves ``(p, ...)`` (``(v, p, ...)`` with virtual stages), `inputs` /
       `targets` pytrees of ``(B, ...)``;
       ``loss`` a scalar; ``stage_grads`` / ``shared_grads`` the trainable parts of the
       params (``params.split()[0]`` structure) for ``optax``; the returned params are the
       inputs with their non-trainable state updated. Computation follows the dtypes of
-      the params and activations; gradients are accumulated in the params' dtypes.
+      the params and activations; sums run in `reduce_dtype`.
+
+    Multi-process runs: when the mesh spans several processes, `inputs` and `targets`
+    must be global arrays on the mesh (`blox.distributed.global_batch`); a
+    host (NumPy) array or a process-local ``jax.Array`` raises `make_dp_train_step`'s
+    ``ValueError`` (each process's rows would be taken for the whole batch).
 
     Raises:
       ValueError: `stage_axis` / `data_axis` not in the mesh; the schedule's stage count
@@ -1182,8 +1220,14 @@ def pipeline_value_and_grad(
         stage-params leaf whose leading dimension is not ``p`` (dimensions not ``(v,
         p)``); a batch that ``m`` (times ``D``) does not divide; a stage
         that changes the activation's shape or dtype; `stage_specs` whose paths differ
-        from the stage params', or that shard a non-trainable leaf over `data_axis`.
-      TypeError: a function that does not return ``(outputs, params)``.
+        from the stage params', or that shard a non-trainable leaf over `data_axis`; a
+        function that creates a parameter (initialize the model and lock its params
+        first); with `data_axis`, an `Rng` that draws and is not in `rngs`; an `Rng` in
+        `rngs` that neither params hold; a shared non-trainable leaf that `first_fn` and
+        `last_fn` both change, other than an `Rng` counter; a process-local batch on a
+        multi-process mesh; a `reduce_dtype` that is not floating.
+      TypeError: a function that does not return ``(outputs, params)``; `rngs` that are
+        not `Rng` modules.
 
     Example:
       >>> import jax, jax.numpy as jnp, blox as bx

@@ -4,9 +4,12 @@ started by ``python -m blox.launch -n 2 --devices-per-process 4`` or alone on 8 
 It builds a small pipelined model on a (data 2, stage 4) mesh over all devices (the stage
 axis across both processes when launched), runs one 1F1B step, splits the stage params and the
 gradients with `unstack_stages` and prints, per stage, ``stage=<k> params_equal=<bool>
-grad=<repr of the sum of |grad|>``, then ``loss=<repr>``.
+grad=<repr of the sum of |grad|>``, then ``loss=<repr>``; then ``refused=<json>``: the
+error the step raises when each process passes its own host (NumPy) rows instead of a
+global batch (null if none), when launched.
 """
 
+import json
 import sys
 
 
@@ -86,6 +89,14 @@ def main() -> None:
         total = sum(float(np.abs(np.asarray(v)).sum()) for v in jax.tree.leaves(grads[k]))
         print(f"stage={k} params_equal={same} grad={total!r}", flush=True)
     print(f"loss={float(np.asarray(loss))!r}", flush=True)
+    if jax.process_count() > 1:  # this process's rows as host arrays: refused
+        half = slice(jax.process_index() * 8, jax.process_index() * 8 + 8)
+        try:
+            step(stacked, shared_g, x[half], y[half])
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        print("refused=" + json.dumps(refused), flush=True)
     sys.exit(0)
 
 

@@ -2,10 +2,13 @@
 --devices-per-process 4`` (the data x stage mesh spans both processes), `unstack_stages`
 splits the stage params (equal to the per-stage params put in) and a 1F1B pipeline step's
 loss and per-stage gradients equal the one-process run on 8 simulated devices (the
-reference); both ranks print the same values. Worker: tests/parallel/pp_worker.py."""
+reference); both ranks print the same values; each process's host rows passed as the
+batch are refused with DP's error (issue 34 item 3).
+Worker: tests/parallel/pp_worker.py."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -45,3 +48,11 @@ def test_two_processes_equal_one_process():
     for key in ref:
         np.testing.assert_allclose(rank0[key], ref[key], rtol=1e-6, err_msg=key)
         assert rank1[key] == rank0[key], key
+    for tag in ("[0] ", "[1] "):
+        (msg,) = [
+            json.loads(s[len(tag + "refused=") :])
+            for s in outs["two"].splitlines()
+            if s.startswith(tag + "refused=")
+        ]
+        assert msg is not None and "blox.distributed.global_batch" in msg, msg
+        assert "batch[0]" in msg and "spans 2 processes" in msg, msg
