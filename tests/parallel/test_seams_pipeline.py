@@ -29,6 +29,7 @@ import optax
 import pytest
 
 import blox as bx
+from blox import parallel as bp
 from blox.parallel import pipeline_value_and_grad, stack_stages, unstack_stages
 from tests.parallel.pipeline_common import Counter
 from tests.tolerances import tol
@@ -269,15 +270,19 @@ def test_state_both_ends_change_raises_naming_the_leaf():
 
 
 # -- bf16 params: float32 sums ------------------------------------------------------------------
-def _bf16_step(reduce_dtype=None):
+def _bf16_step(reduce_dtype=None, fsdp=False):
     """Stages ``h * w`` and a loss ``mean(h * s)`` with bf16 ``w`` (per stage) and ``s``
     (shared), on a (data 2, stage 2) mesh with 16 microbatches per shard; inputs 256 in
     shard 0's microbatch 0 and 1 elsewhere, so that its gradient is 256x each other
-    microbatch's: summed in bf16, the 15 small ones vanish (4 + 1/64 rounds to 4)."""
+    microbatch's: summed in bf16, the 15 small ones vanish (4 + 1/64 rounds to 4).
+    ``fsdp``: ``w`` sharded over data (FSDP stages, gathered by `bp.fsdp_call`)."""
     m, width, bf = 16, 4, jnp.bfloat16
 
-    def stage_fn(params, h):
+    def scale(params, h):
         return h * params["stage", "w"].value[None], params
+
+    def stage_fn(params, h):
+        return bp.fsdp_call(scale, params, h, under=("stage",)) if fsdp else scale(params, h)
 
     def last_fn(params, h, y):
         return jnp.mean((h * params["net", "s"].value[None]).astype(jnp.float32)), params
@@ -287,32 +292,35 @@ def _bf16_step(reduce_dtype=None):
     shared[("net", "s")] = bx.Param(jnp.ones((width,), bf))
     x = np.ones((2 * m * ROWS, width), np.float32)
     x[:ROWS] = 256.0
+    mesh = _mesh((2, P), ("data", "stage"))
+    one = jax.tree.map(lambda a: a[0], stages)
     step = jax.jit(
         pipeline_value_and_grad(
             stage_fn,
             last_fn,
-            _mesh((2, P), ("data", "stage")),
+            mesh,
             num_microbatches=m,
             data_axis="data",
             reduce_dtype=reduce_dtype,
+            stage_specs=bp.fsdp_specs(one, mesh, min_size=0) if fsdp else None,
         )
     )
     args = (stages.locked(), shared.locked(), jnp.asarray(x, bf), jnp.asarray(x, bf))
     return step, args, x
 
 
-def _all_reduce_types(lowered_text):
-    """The element types of every all-reduce in a lowered (StableHLO) program (its
-    reduction region's arguments)."""
-    ops = re.findall(r'"stablehlo.all_reduce".*?\^bb0\(%\w+: tensor<(\w+)>', lowered_text, re.S)
-    assert ops, "no all_reduce in the program"
+def _reduction_types(lowered_text, op="all_reduce"):
+    """The element types of every `op` (all_reduce, reduce_scatter) in a lowered
+    (StableHLO) program: its reduction region's arguments."""
+    ops = re.findall(rf'"stablehlo.{op}".*?\^bb0\(%\w+: tensor<(\w+)>', lowered_text, re.S)
+    assert ops, f"no {op} in the program"
     return set(ops)
 
 
 def test_bf16_params_accumulate_and_reduce_in_float32():
     step, args, x = _bf16_step()
     lowered = step.lower(*args)
-    types = _all_reduce_types(lowered.as_text())
+    types = _reduction_types(lowered.as_text())
     assert "f32" in types and "bf16" not in types, types
     loss, (g, g_sh), _ = lowered.compile()(*args)
     assert g["stage", "w"].value.dtype == jnp.bfloat16  # returned in the params' dtype
@@ -325,7 +333,11 @@ def test_bf16_params_accumulate_and_reduce_in_float32():
 
 def test_reduce_dtype_is_honoured_and_checked():
     step, args, _ = _bf16_step(reduce_dtype=jnp.bfloat16)
-    assert "bf16" in _all_reduce_types(step.lower(*args).as_text())
+    assert "bf16" in _reduction_types(step.lower(*args).as_text())
+    # FSDP stages: the weights' reduce-scatter (inside fsdp_call) in the reduction dtype too
+    for rd, want in ((None, "f32"), (jnp.bfloat16, "bf16")):
+        step, args, _ = _bf16_step(reduce_dtype=rd, fsdp=True)
+        assert _reduction_types(step.lower(*args).as_text(), "reduce_scatter") == {want}
     with pytest.raises(ValueError, match=r"reduce_dtype must be a floating dtype.*int32"):
         _bf16_step(reduce_dtype=jnp.int32)
 
