@@ -115,9 +115,10 @@ class _ClosingIterator(grain.DatasetIterator):
     exit).
     """
 
-    def __init__(self, inner: grain.DatasetIterator):
+    def __init__(self, inner: grain.DatasetIterator, num_workers: int):
         super().__init__()
         self._inner = inner
+        self._num_workers = num_workers
 
     def __next__(self) -> Any:
         if self._inner is None:
@@ -141,6 +142,26 @@ class _ClosingIterator(grain.DatasetIterator):
             raise ValueError("pipeline: this iterator was closed; make a new one with iter(ds).")
         self._inner.set_state(state)
 
+    # Grain's index hooks (``grain.experimental.set_next_index``/``get_next_index``), which
+    # `blox.ckpt`'s ``data_from_step`` uses to reposition a resumed iterator.
+    def _set_next_index(self, index: int) -> None:
+        if self._inner is None:
+            raise ValueError("pipeline: this iterator was closed; make a new one with iter(ds).")
+        try:
+            self._inner._set_next_index(index)
+        except NotImplementedError as e:  # Grain interleaves several workers' streams
+            raise ValueError(
+                f"pipeline: an iterator over num_workers={self._num_workers} worker processes "
+                f"cannot be repositioned to batch {index} (Grain supports set_next_index in "
+                "process or with one worker). Build the resumed pipeline with num_workers=0 "
+                "or 1, or restore its saved state (get_state/set_state) instead."
+            ) from e
+
+    def _get_next_index(self) -> int:
+        if self._inner is None:
+            raise ValueError("pipeline: this iterator was closed; make a new one with iter(ds).")
+        return self._inner._get_next_index()
+
     def close(self) -> None:
         inner, self._inner = getattr(self, "_inner", None), None
         if inner is not None:
@@ -150,11 +171,12 @@ class _ClosingIterator(grain.DatasetIterator):
 class _ClosingIterDataset(grain.IterDataset):
     """`pipeline`'s dataset when it has worker processes: iterators are `_ClosingIterator`."""
 
-    def __init__(self, parent: grain.IterDataset):
+    def __init__(self, parent: grain.IterDataset, num_workers: int):
         super().__init__(parent)
+        self._num_workers = num_workers
 
     def __iter__(self) -> _ClosingIterator:
-        return _ClosingIterator(self._parent.__iter__())
+        return _ClosingIterator(self._parent.__iter__(), self._num_workers)
 
     def __str__(self) -> str:
         return "ClosingIterDataset"
@@ -393,5 +415,5 @@ def pipeline(
                 num_workers=num_workers, per_worker_buffer_size=max(prefetch, 1)
             )
         )
-        it_ds = _ClosingIterDataset(it_ds)
+        it_ds = _ClosingIterDataset(it_ds, num_workers)
     return it_ds

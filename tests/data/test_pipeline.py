@@ -126,6 +126,21 @@ def test_two_worker_processes_yield_the_in_process_batches(files):
     expected = _take(pipeline(src, **kw), 7)
     got = _take(pipeline(src, num_workers=2, **kw), 7)
     _assert_batches_equal(got, expected)
+    # Repositioned by batch index (what blox.ckpt's data_from_step does on resume): Grain
+    # does it with one worker; with several it refuses, and the message says what to do.
+    for workers in (1, 2):
+        it = iter(pipeline(src, num_workers=workers, **kw))
+        try:
+            next(it)
+            if workers == 2:
+                with pytest.raises(ValueError, match=r"num_workers=2 .* num_workers=0 or 1"):
+                    grain.experimental.set_next_index(it, 2)
+                continue
+            grain.experimental.set_next_index(it, 4)
+            assert grain.experimental.get_next_index(it) == 4
+            _assert_batches_equal([next(it) for _ in range(2)], expected[4:6])
+        finally:
+            it.close()
 
 
 @pytest.mark.parametrize("k", [1, 5, 9])
