@@ -14,6 +14,7 @@ from blox.nn._dropout import Dropout as Dropout
 from blox.nn._embed import Embed as Embed
 from blox.nn._linear import MLP as MLP
 from blox.nn._linear import Linear as Linear
+from blox.nn._moe import MoE as MoE
 from blox.nn._norm import LayerNorm as LayerNorm
 from blox.nn._norm import RMSNorm as RMSNorm
 from blox.nn._pool import avg_pool as avg_pool

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from blox.core import Graph, Module, Params, Rng
-from blox.core._sharding import explicit_sharding
+from blox.core._sharding import _explicit_mesh, explicit_sharding
 from blox.nn._dtype import compute_dtype
 
 __all__ = ["MoE"]
@@ -22,6 +22,57 @@ _expert_init = jax.nn.initializers.variance_scaling(
     1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
 )
 _zeros = jax.nn.initializers.zeros
+
+
+# `jax.lax.ragged_dot` has no batching rule unless all three operands are batched (JAX
+# 0.10), so `jax.vmap` of a layer call (shared weights, batched tokens) would fail. The
+# grouped matmul below runs a vmapped call as a loop over the batch, and its gradient is
+# written out (custom_vjp) so that differentiation never meets the loop's custom_vmap.
+
+
+def _explicit_out(a: jax.Array) -> NamedSharding | None:
+    """A replicated ``out_sharding`` on an Explicit mesh (JAX infers none for
+    ``ragged_dot``; the layer gathers its operands there), else None."""
+    mesh = _explicit_mesh(a)
+    return None if mesh is None else NamedSharding(mesh, PartitionSpec())
+
+
+@jax.custom_batching.sequential_vmap
+def _ragged(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(lhs, rhs, sizes, out_sharding=_explicit_out(lhs))
+
+
+@jax.custom_batching.sequential_vmap
+def _ragged_rhs_grad(lhs: jax.Array, ct: jax.Array, sizes: jax.Array) -> jax.Array:
+    """``(G, K, N)``: for each group g, ``lhs[rows of g].T @ ct[rows of g]``."""
+    dn = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
+    )
+    return jax.lax.ragged_dot_general(lhs, ct, sizes, dn, out_sharding=_explicit_out(lhs))
+
+
+@jax.custom_vjp
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+    """``lhs`` ``(M, K)`` rows sorted by group, ``rhs`` ``(G, K, N)``, ``sizes`` ``(G,)``
+    rows per group -> ``(M, N)``: ``jax.lax.ragged_dot`` that also runs under
+    ``jax.vmap`` (as a loop)."""
+    return _ragged(lhs, rhs, sizes)
+
+
+def _grouped_fwd(lhs, rhs, sizes):
+    return _ragged(lhs, rhs, sizes), (lhs, rhs, sizes)
+
+
+def _grouped_bwd(res, ct):
+    lhs, rhs, sizes = res
+    d_lhs = _ragged(ct, jnp.swapaxes(rhs, 1, 2), sizes).astype(lhs.dtype)
+    d_rhs = _ragged_rhs_grad(lhs, ct, sizes).astype(rhs.dtype)
+    return d_lhs, d_rhs, None
+
+
+grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 class _Node(Module):
@@ -293,7 +344,8 @@ class MoE(Module):
         """The router alone: ``((experts (N, k) int32, gates (N, k), logits (N, E)),
         params)`` for ``x`` ``(N, D)``, all in float32 (float64 for float64 inputs)."""
         kernel, bias, params = self._router_params(params, x.shape[-1])
-        rd = jnp.promote_types(jnp.float32, x.dtype)
+        wide = jnp.float64 in (jnp.dtype(x.dtype), jnp.dtype(kernel.dtype))
+        rd = jnp.float64 if wide else jnp.float32
         logits = jnp.dot(
             _replicated(x).astype(rd),
             _replicated(kernel).astype(rd),
@@ -360,7 +412,7 @@ class MoE(Module):
         ``(E,)`` rows per expert -> ``(M, D)``."""
 
         def mm(a, b):
-            return jax.lax.ragged_dot(a, b, group_sizes, precision=precision)
+            return grouped_matmul(a, b, group_sizes)
 
         return self._ffn(w, xs, cd, precision, mm)
 

@@ -137,6 +137,23 @@ _BLOCK_RULES = _ATTN_RULES + (
 # convolutions chained: each next convolution contracts over sharded input channels).
 _YOLO_RULES = (("conv/kernel", CONV_OUT), BN)
 
+
+def _moe(layer, params, x):
+    """The MoE output with its aux loss added, so every check also covers the router's
+    losses (float32 by design: cast to the output dtype)."""
+    (y, aux), params = layer(params, x)
+    return y + aux["loss"].astype(y.dtype), params
+
+
+# Expert kernels (E, D, F) / (E, F, D): the hidden features over 'model'.
+_MOE_RULES = (
+    ("router/kernel", None),
+    ("experts/(gate|up)", (None, None, "model")),
+    ("experts/down", (None, "model", None)),
+    ("shared/(gate|up)", COL),
+    ("shared/down", ROW),
+)
+
 _SEQ_3 = "apply runs over a whole sequence and needs inputs of shape"
 # Every channel count a multiple of 4 (the 'model' axis): C2f halves its width.
 _YOLO_SMALL = dict(widths=(8, 8, 8, 16, 16), depths=(1, 1, 1, 1))
@@ -368,6 +385,16 @@ DESCRIPTORS: list[Descriptor] = [
         bad_match=r"\(B, T\)",
         rules=_BLOCK_RULES + (("embed/embedding", COL), ("final_norm/(scale|bias)", None)),
         float_input=False,
+    ),
+    Descriptor(
+        "MoE",
+        bx.MoE,
+        lambda node, rng: bx.MoE(node, 4, 8, rng, top_k=2, shared_hidden_size=8),
+        normal(2, 3, 8),
+        call=_moe,
+        bad=lambda: np.ones((2, 3, 6), np.float32),
+        bad_match=r"expects inputs of shape \(\.\.\., 8\)",
+        rules=_MOE_RULES,
     ),
     # -- recurrent -----------------------------------------------------------------------
     Descriptor(
