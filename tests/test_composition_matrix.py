@@ -178,25 +178,16 @@ FEATURES = (
     ),
     Feature(
         "weighted_loss",
-        "masked mean `sum(err * mask) / max(sum(mask), 1)` over a padded batch, "
-        "`aux['weight'] = sum(mask)`, twice the microbatches (all-padding ones where they "
-        "hold 2 rows)",
-        weighted=True,
-        micro=2,
-        semantics=(
-            "the global masked mean over all real rows, whatever the split: parts weighted "
-            "by their weight, a weight-0 part contributes 0 to loss and gradients"
-        ),
-    ),
-    Feature(
-        "weighted_nan",
-        "the weighted loss written `sum(err * mask) / sum(mask)`: NaN on all-padding microbatches",
+        "masked mean `sum(err * mask) / sum(mask)` over a padded batch, `aux['weight'] = "
+        "sum(mask)`, twice the microbatches: all-padding ones (loss and gradients NaN) "
+        "wherever they hold 2 rows",
         weighted=True,
         guard=False,
         micro=2,
         semantics=(
-            "as `weighted_loss`: a weight-0 part contributes 0 even when its loss and its "
-            "gradients are NaN"
+            "the global masked mean over all real rows, whatever the split: parts weighted "
+            "by their weight, a weight-0 part contributes 0 to loss and gradients even when "
+            "they are NaN"
         ),
     ),
     Feature(
@@ -685,10 +676,16 @@ def _put(tree, specs, mesh):
     )
 
 
-@functools.cache
 def run(feature: Feature, path: PathSpec):
-    """The path's ``(loss, grads, state)`` after one step (grads None for step paths)
-    and, for step paths, the params after one SGD step."""
+    """The path's ``(loss, grads, state)`` after one step: the gradients for a pipeline;
+    for a train step (grads None), the params after one SGD step. Cached per model,
+    microbatches and path (`rngs=` matters only where there is a data axis to fold)."""
+    listed = feature.list_rngs or not path.folds
+    return _run(replace(feature.model_key, micro=feature.micro, list_rngs=listed), path)
+
+
+@functools.cache
+def _run(feature: Feature, path: PathSpec):
     n = path.units
     m = model(feature, n)
     shared, stages, flat = init(feature, n)
