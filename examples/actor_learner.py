@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -59,6 +60,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import blox as bx
+from blox import parallel as bp
 
 
 def _load_cartpole():
@@ -189,6 +191,7 @@ class Runner(NamedTuple):
     done: jax.Array  # [E] the last step's done (the next step's is_reset)
     hidden: Any  # the actor's recurrent state [E, H]
     ep_return: jax.Array  # [E] the running episode returns
+    env_ids: jax.Array  # [E] int32: the environments' global indices (keys fold them)
     update: jax.Array  # int32: updates done (the params' version)
 
 
@@ -214,14 +217,16 @@ class Parts(NamedTuple):
     rng: bx.Rng
     agent: Agent
     tx: optax.GradientTransformation
-    init: Any  # key -> Runner
+    init: Any  # (key, env_ids=None) -> Runner
     rollout: Any  # (params, Runner) -> (params, Runner, Rollout)
     learn: Any  # (params, opt_state, Rollout) -> (params, opt_state, metrics)
     update: Any  # Runner -> (Runner, metrics)
 
 
-def build(cfg: Config) -> Parts:
-    """The agent, the optimizer and the run's functions for `cfg`."""
+def build(cfg: Config, *, actor_shards: int | None = None) -> Parts:
+    """The agent, the optimizer and the run's functions for `cfg`: for one device of
+    ``cfg.data_parallel`` (Anakin), or, with `actor_shards`, for one Sebulba actor device
+    stepping ``num_envs / actor_shards`` environments (no collective)."""
     e, d, m = cfg.num_envs, cfg.data_parallel, cfg.num_minibatches
     if e % (d * m):
         raise ValueError(
@@ -231,8 +236,13 @@ def build(cfg: Config) -> Parts:
         )
     if cfg.cell not in ("gru", "lstm"):
         raise ValueError(f"cell must be 'gru' or 'lstm', got {cfg.cell!r}.")
-    axis = AXIS if d > 1 else None
-    e_local = e // d
+    axis = AXIS if d > 1 and actor_shards is None else None
+    if actor_shards is not None and e % actor_shards:
+        raise ValueError(
+            f"--actor-devices {actor_shards} must divide the {e} environments (each actor "
+            "device steps an equal share)."
+        )
+    e_local = e // (actor_shards or d)
     mb = e // m  # environments per minibatch
     mb_local = mb // d
 
@@ -252,16 +262,16 @@ def build(cfg: Config) -> Parts:
     def pmean(x):
         return x if axis is None else jax.lax.pmean(x, axis)
 
-    def env_index():
-        """The global indices of this device's environments."""
-        offset = 0 if axis is None else jax.lax.axis_index(axis) * e_local
-        return offset + jnp.arange(e_local)
-
-    def env_keys(key):
+    def env_keys(key, env_ids):
         """One key per environment: ``key`` folded with its global index."""
-        return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, env_index())
+        return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, env_ids)
 
-    def init(key) -> Runner:
+    def init(key, env_ids=None) -> Runner:
+        """A new run; `env_ids`: this device's environments (default: the device's
+        share of ``0 .. num_envs - 1`` along `AXIS`, or all of them)."""
+        if env_ids is None:
+            offset = 0 if axis is None else jax.lax.axis_index(axis) * e_local
+            env_ids = offset + jnp.arange(e_local, dtype=jnp.int32)
         params = rng.seed(bx.Params(), seed=key)
         obs0 = jnp.zeros((e_local, cartpole.OBS_SIZE), jnp.float32)
         state, params = agent.initial_state(params, obs0)
@@ -269,7 +279,7 @@ def build(cfg: Config) -> Parts:
         _, params = agent.step(params, obs0, state, jnp.zeros((e_local,), bool))
         params = params.locked()
         reset_key, params = rng(params)
-        obs, env_state = jax.vmap(cartpole.reset)(env_keys(reset_key))
+        obs, env_state = jax.vmap(cartpole.reset)(env_keys(reset_key, env_ids))
         return Runner(
             params=params,
             opt_state=tx.init(params.split()[0]),
@@ -278,13 +288,14 @@ def build(cfg: Config) -> Parts:
             done=jnp.zeros((e_local,), bool),
             hidden=state,
             ep_return=jnp.zeros((e_local,), jnp.float32),
+            env_ids=jnp.asarray(env_ids, jnp.int32),
             update=jnp.zeros((), jnp.int32),
         )
 
     def actor_step(carry, _):
-        params, env_state, obs, done, state, ep_return = carry
+        params, env_state, obs, done, state, ep_return, ids = carry
         key, params = rng(params)  # the actor's write: one counter tick per step
-        act_keys, reset_keys = jnp.moveaxis(jax.vmap(jax.random.split)(env_keys(key)), 1, 0)
+        act_keys, reset_keys = jnp.moveaxis(jax.vmap(jax.random.split)(env_keys(key, ids)), 1, 0)
         obs_n, _ = agent.obs_norm(params, obs, is_training=False)
         (logits, value, state), _ = agent.step(params, obs_n, state, done)
         action = jax.vmap(jax.random.categorical)(act_keys, logits)
@@ -307,13 +318,13 @@ def build(cfg: Config) -> Parts:
             jnp.where(next_done, ret, 0.0),
         )
         ep_return = jnp.where(next_done, 0.0, ret)
-        return (params, env_state, next_obs, next_done, state, ep_return), tr
+        return (params, env_state, next_obs, next_done, state, ep_return, ids), tr
 
     def rollout(params, runner: Runner):
         carry = (params, runner.env_state, runner.obs, runner.done, runner.hidden,
-                 runner.ep_return)  # fmt: skip
+                 runner.ep_return, runner.env_ids)  # fmt: skip
         carry, traj = jax.lax.scan(actor_step, carry, length=cfg.num_steps)
-        params, env_state, obs, done, state, ep_return = carry
+        params, env_state, obs, done, state, ep_return, _ = carry
         obs_n, _ = agent.obs_norm(params, obs, is_training=False)
         (_, last_value, _), _ = agent.step(params, obs_n, state, done)
         # The statistics move only now: the whole rollout was normalized as of its start.
@@ -463,8 +474,10 @@ def runner_specs(runner: Runner) -> Runner:
     state and the update count replicated, the environment leaves split over `AXIS`."""
     rep = jax.tree.map(lambda _: P(), (runner.params, runner.opt_state, runner.update))
     env = jax.tree.map(
-        _env_spec, (runner.env_state, runner.obs, runner.done, runner.hidden, runner.ep_return)
-    )
+        _env_spec,
+        (runner.env_state, runner.obs, runner.done, runner.hidden, runner.ep_return,
+         runner.env_ids),
+    )  # fmt: skip
     return Runner(rep[0], rep[1], *env, rep[2])
 
 
@@ -509,6 +522,96 @@ def program(cfg: Config) -> Program:
     return Program(jax.jit(sm_init), jax.jit(sm_scan, static_argnums=1))
 
 
+# --------------------------------------------------------------------------- Sebulba
+
+
+def rollout_specs(ro: Rollout) -> Rollout:
+    """The learner mesh's ``PartitionSpec`` of each leaf of a `Rollout`: environments
+    over `AXIS` (axis 1 of the time-major trajectory, axis 0 of the rest)."""
+    return Rollout(
+        traj=jax.tree.map(lambda _: P(None, AXIS), ro.traj),
+        hidden0=jax.tree.map(lambda _: P(AXIS), ro.hidden0),
+        last_value=P(AXIS),
+        shuffle_key=P(),
+        version=P(),
+    )
+
+
+def _concat(rollouts: list[Rollout], device) -> Rollout:
+    """The actors' rollouts as one, on `device` (environments in global order)."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    local = [bp.place(r, device) for r in rollouts]
+    traj = jax.tree.map(lambda *a: jnp.concatenate(a, axis=1), *[r.traj for r in local])
+    cat0 = functools.partial(jnp.concatenate, axis=0)
+    return local[0]._replace(
+        traj=traj,
+        hidden0=jax.tree.map(lambda *a: cat0(a), *[r.hidden0 for r in local]),
+        last_value=cat0([r.last_value for r in local]),
+    )
+
+
+def sebulba(cfg: Config, seed: int, actor_devices, learner_devices, lag: int):
+    """Sebulba (Podracer): actors step their share of the environments on their own
+    devices; the learner runs data-parallel (``shard_map``) on a mesh of other devices.
+    After each update the learner's weights are pushed to every actor device
+    (``bp.place``), where they are merged into the actor's own params (its Rng counter
+    and observation statistics stay the actor's). With ``lag=1`` the actor's next
+    rollout is dispatched *before* the push, so it runs with the previous weights while
+    the learner trains (JAX dispatches asynchronously): the trajectory of update n comes
+    from the params after n - 2 updates (the first two from the initial ones, as in
+    cleanba). Yields ``(n, metrics)`` per update; ``metrics['actor_version']`` is the
+    number of updates in the params that collected the trajectory."""
+    n_act = len(actor_devices)
+    actor = build(cfg, actor_shards=n_act)
+    learner = build(dataclasses.replace(cfg, data_parallel=len(learner_devices)))
+    mesh = jax.make_mesh(
+        (len(learner_devices),),
+        (AXIS,),
+        devices=learner_devices,
+        axis_types=(jax.sharding.AxisType.Explicit,),
+    )
+    e_a = cfg.num_envs // n_act
+    init, rollout = jax.jit(actor.init), jax.jit(actor.rollout)
+    key = jax.random.key(seed)
+    runners = [
+        init(bp.place(key, dev), bp.place(jnp.arange(a * e_a, (a + 1) * e_a), dev))
+        for a, dev in enumerate(actor_devices)
+    ]
+    # The learner's copy of the params (the same initial weights), replicated on its mesh.
+    params = bp.place(runners[0].params, mesh)
+    opt_state = bp.place(runners[0].opt_state, mesh)
+
+    def act(runners):
+        out = [rollout(r.params, r) for r in runners]
+        return [r._replace(params=p) for p, r, _ in out], [ro for _, _, ro in out]
+
+    learn = None
+    runners, rollouts = act(runners)
+    for n in range(1, cfg.updates + 1):
+        ro = _concat(rollouts, actor_devices[0])
+        specs = rollout_specs(ro)
+        ro = bp.place(ro, specs, mesh=mesh)  # the actors' trajectory onto the learner mesh
+        if learn is None:
+            learn = jax.jit(
+                jax.shard_map(learner.learn, mesh=mesh, in_specs=(P(), P(), specs), out_specs=P())
+            )
+        params, opt_state, metrics = learn(params, opt_state, ro)
+        if lag == 1 and n < cfg.updates:
+            runners, rollouts = act(runners)  # overlaps the learner, previous weights
+        weights, _ = params.split()
+        runners = [  # the push: the learner's weights into each actor's own params
+            r._replace(
+                params=r.params.merge(bp.place(weights, dev)),
+                update=bp.place(jnp.asarray(n, jnp.int32), dev),
+            )
+            for r, dev in zip(runners, actor_devices, strict=True)
+        ]
+        if lag == 0 and n < cfg.updates:
+            runners, rollouts = act(runners)
+        yield n, metrics
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -520,6 +623,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=1, help="run seeds S .. S+K-1 (vmap)")
     parser.add_argument("--cell", choices=("gru", "lstm"), default="gru")
     parser.add_argument("--data-parallel", type=int, default=1, help="Anakin over D devices")
+    parser.add_argument("--actor-devices", type=int, default=None, help="Sebulba: A actors")
+    parser.add_argument("--learner-devices", type=int, default=None, help="... L learners")
+    parser.add_argument("--policy-lag", type=int, choices=(0, 1), default=0)
     parser.add_argument("--ckpt-dir", default=None, help="checkpoint here; resume if it holds one")
     parser.add_argument("--save-every", type=int, default=None, help="updates between saves")
     parser.add_argument("--curve", default=None, help="write each seed's returns (JSON)")
@@ -538,6 +644,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={args.data_parallel}."
         )
     total = cfg.updates
+    if (args.actor_devices is None) != (args.learner_devices is None):
+        raise SystemExit("Sebulba needs both --actor-devices A and --learner-devices L.")
+    if args.actor_devices is not None:
+        return _main_sebulba(args, cfg)
     chunk = args.save_every or total
     prog = program(cfg)
 
@@ -574,17 +684,54 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ran_here += n
             for i in range(n):
                 step = start + i + 1
-                loss = float(metrics["loss"][i, 0])
-                ret = metrics["return_sum"][i, 0] / max(metrics["episodes"][i, 0], 1.0)
-                print(
-                    f"step={step} loss={loss!r} ratio_err={float(metrics['ratio_err'][i, 0])!r}"
-                    f" episode_return={float(ret):.2f}",
-                    flush=True,
-                )
+                _print_update(
+                    step, *(float(metrics[k][i, 0]) for k in ("loss", "ratio_err")),
+                    *(float(metrics[k][i, 0]) for k in ("return_sum", "episodes")),
+                )  # fmt: skip
                 for k in history:
                     history[k][step - 1] = np.asarray(metrics[k][i])
             if mngr is not None:
                 mngr.save(start + n, {"runner": runner, "history": history})
+    return _report(args, cfg, history, ran_here, run_s, t0)
+
+
+def _print_update(step: int, loss: float, ratio_err: float, ret_sum: float, episodes: float):
+    ret = ret_sum / max(episodes, 1.0)
+    print(
+        f"step={step} loss={loss!r} ratio_err={ratio_err!r} episode_return={ret:.2f}",
+        flush=True,
+    )
+
+
+def _main_sebulba(args, cfg: Config) -> dict[str, Any]:
+    a, l_ = args.actor_devices, args.learner_devices
+    devices = jax.devices()
+    if a < 1 or l_ < 1 or a + l_ > len(devices):
+        raise SystemExit(
+            f"--actor-devices {a} --learner-devices {l_} needs {a + l_} devices, found "
+            f"{len(devices)}; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8."
+        )
+    if args.seeds != 1 or args.ckpt_dir is not None or args.data_parallel != 1:
+        raise SystemExit("Sebulba runs one seed, without --ckpt-dir or --data-parallel.")
+    history = {
+        k: np.zeros((cfg.updates, 1), np.float32)
+        for k in ("loss", "ratio_err", "return_sum", "episodes")
+    }
+    t0 = time.perf_counter()
+    run = sebulba(cfg, args.seed, devices[:a], devices[a : a + l_], args.policy_lag)
+    for n, metrics in run:
+        m = jax.device_get(metrics)
+        row = [float(m["loss"]), float(m["ratio_err"]), float(m["return_sum"])]
+        _print_update(n, *row, float(m["episodes"]))
+        print(f"update={n} actor_version={int(m['actor_version']) + 1}", flush=True)
+        for k in history:
+            history[k][n - 1] = m[k]
+    return _report(args, cfg, history, cfg.updates, time.perf_counter() - t0, t0)
+
+
+def _report(args, cfg: Config, history, ran_here: int, run_s: float, t0: float):
+    """The final lines (and the --curve file)."""
+    total = cfg.updates
     sums = history["return_sum"][-10:].sum(0)
     counts = history["episodes"][-10:].sum(0)
     env_steps = total * cfg.num_envs * cfg.num_steps

@@ -16,7 +16,12 @@ what each writes.
   (``T + 1`` draws per update, by hand) and observation statistics (NumPy's mean and
   variance of every raw observation of every rollout so far).
 
-The example's command line (learning, data parallelism, resume) is run by
+* Layouts: Anakin over 8 devices (``shard_map``) and Sebulba (one actor device, a
+  4-device learner mesh) at policy lag 0 give the one-device run's losses, ratio errors
+  and returns (1e-5); Sebulba at lag 1 trains update n on the params of version n - 1
+  (versions count from 1), and two lag-1 runs are bit-identical.
+
+The example's command line (learning, Sebulba's version lines, resume) is run by
 ``test_actor_learner_runs.py``.
 """
 
@@ -33,7 +38,7 @@ from tests.rl.examples import load
 
 al = load("actor_learner")
 SMALL = al.Config(
-    num_envs=8,
+    num_envs=16,  # 8 devices x 2 minibatches
     num_steps=48,
     num_updates=3,
     hidden=16,
@@ -132,3 +137,42 @@ def test_ratio_is_one_and_both_writers_are_kept_at_every_update():
 def test_devices_times_minibatches_must_divide_the_environments():
     with pytest.raises(ValueError, match=r"--data-parallel 4 x 2 minibatches must divide"):
         al.build(al.Config(**{**SMALL.__dict__, "num_envs": 12, "data_parallel": 4}))
+
+
+KEYS = ("loss", "ratio_err", "return_sum", "episodes")
+
+
+def _one_device_metrics(cfg) -> np.ndarray:
+    prog = al.program(cfg)
+    _, metrics = prog.chunk(prog.init(al._seed_keys(0, 1)), cfg.updates)
+    return np.stack([np.asarray(metrics[k])[:, 0] for k in KEYS], axis=1)
+
+
+def _sebulba(cfg, lag) -> tuple[np.ndarray, list[int]]:
+    devices = jax.devices()
+    rows, versions = [], []
+    for _, m in al.sebulba(cfg, 0, devices[:1], devices[1:5], lag):
+        m = jax.device_get(m)
+        rows.append([float(m[k]) for k in KEYS])
+        versions.append(int(m["actor_version"]) + 1)
+    return np.array(rows), versions
+
+
+def test_anakin_8_devices_and_sebulba_at_lag_0_equal_one_device():
+    one = _one_device_metrics(SMALL)
+    prog = al.program(al.Config(**{**SMALL.__dict__, "data_parallel": 8}))
+    _, metrics = prog.chunk(prog.init(al._seed_keys(0, 1)), SMALL.updates)
+    dp = np.stack([np.asarray(metrics[k])[:, 0] for k in KEYS], axis=1)
+    np.testing.assert_allclose(dp, one, rtol=1e-5, atol=1e-6, err_msg="data-parallel 8")
+    seb, versions = _sebulba(SMALL, 0)
+    np.testing.assert_allclose(seb, one, rtol=1e-5, atol=1e-6, err_msg="Sebulba lag 0")
+    assert versions == [1, 2, 3], versions
+    assert np.all(one[:, 1] <= 1e-6) and np.all(one[:, 3] > 0), one
+
+
+def test_sebulba_at_lag_1_trains_on_the_previous_version_bit_identically():
+    first, versions = _sebulba(SMALL, 1)
+    assert versions == [1, 1, 2], versions  # update n: version n - 1 (1: the initial)
+    again, _ = _sebulba(SMALL, 1)
+    np.testing.assert_array_equal(first, again)
+    assert first[0, 1] <= 1e-6 and np.all(first[1:, 1] > 1e-3), first  # off-policy

@@ -2,11 +2,15 @@
 
 * it learns: the final ``mean_return`` is at least 3x the first update's return, and the
   ratio check holds (``ratio_err <= 1e-6``) at every update;
-* Anakin over 8 devices (``--data-parallel 8``) prints the one-device lines (1e-5);
+* Sebulba (``--actor-devices 1 --learner-devices 4``) at policy lag 1 prints
+  ``update=<n> actor_version=<v>`` from the version carried with each trajectory:
+  v = n - 1 (versions count from 1, the initial params; update 1 also trains on them,
+  nothing older exists);
 * a run killed with SIGKILL after a checkpoint and restarted continues bit-identically
   (its lines equal an uninterrupted run's, float bits and all).
 
-The runs start side by side (2 cores) and share the suite's compile cache.
+The runs start side by side (2 cores) and share the suite's compile cache. The layouts'
+equality with one device is checked in-process by ``test_actor_learner.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import re
 import signal
 import time
 
-import numpy as np
 import pytest
 
 from tests.scripts import finish, start, tail
@@ -24,6 +27,7 @@ pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 SCRIPT = "examples/actor_learner.py"
 LINE = re.compile(r"^step=(\d+) loss=(\S+) ratio_err=(\S+) episode_return=(\S+)$", re.MULTILINE)
+VERSION = re.compile(r"^update=(\d+) actor_version=(\d+)$", re.MULTILINE)
 FINAL = re.compile(r"^seed=(\d+) env_steps=(\d+) mean_return=(\S+)$", re.MULTILINE)
 
 
@@ -31,13 +35,12 @@ def _lines(out: str) -> list[tuple[int, float, float, float]]:
     return [(int(n), float(a), float(b), float(c)) for n, a, b, c in LINE.findall(out)]
 
 
-def test_tiny_learns_and_data_parallel_prints_the_one_device_lines():
-    steps = "6"
+def test_tiny_learns_and_sebulba_lag_1_prints_the_actor_version():
+    lag1 = ("--size", "tiny", "--steps", "4", "--actor-devices", "1", "--learner-devices", "4")
     outs = finish(
         {
             "learn": start(SCRIPT, "--size", "tiny"),
-            "one": start(SCRIPT, "--size", "tiny", "--steps", steps),
-            "dp8": start(SCRIPT, "--size", "tiny", "--steps", steps, "--data-parallel", "8"),
+            "lag1": start(SCRIPT, *lag1, "--policy-lag", "1"),
         }
     )
     learn = _lines(outs["learn"])
@@ -47,10 +50,9 @@ def test_tiny_learns_and_data_parallel_prints_the_one_device_lines():
     assert (seed, env_steps) == ("0", str(30 * 32 * 32))
     assert float(mean_return) >= 3 * learn[0][3], (mean_return, learn[0])
     assert "env_steps_per_s=" in outs["learn"]
-
-    one, dp = _lines(outs["one"]), _lines(outs["dp8"])
-    assert len(one) == len(dp) == int(steps), tail(outs["dp8"])
-    np.testing.assert_allclose(np.array(dp), np.array(one), rtol=1e-5, atol=1e-6)
+    versions = [(int(n), int(v)) for n, v in VERSION.findall(outs["lag1"])]
+    assert versions == [(n, max(n - 1, 1)) for n in range(1, 5)], versions
+    assert len(_lines(outs["lag1"])) == 4, tail(outs["lag1"])
 
 
 def test_sigkill_then_restart_continues_bit_identically(tmp_path):
