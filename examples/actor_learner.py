@@ -134,9 +134,9 @@ class Agent(bx.Module):
         self.embed = bx.Linear(graph / "embed", h, rng, kernel_init=orth(math.sqrt(2)))
         cell = {"gru": bx.GRU, "lstm": bx.LSTM}[cfg.cell]
         self.rnn = cell(graph / "rnn", h, rng)
-        self.pi = bx.Linear(graph / "pi", h, rng, kernel_init=orth(2.0))
+        self.pi = bx.Linear(graph / "pi", h, rng, kernel_init=orth(math.sqrt(2)))
         self.pi_out = bx.Linear(graph / "pi_out", cartpole.NUM_ACTIONS, rng, kernel_init=orth(0.01))
-        self.v = bx.Linear(graph / "v", h, rng, kernel_init=orth(2.0))
+        self.v = bx.Linear(graph / "v", h, rng, kernel_init=orth(math.sqrt(2)))
         self.v_out = bx.Linear(graph / "v_out", 1, rng, kernel_init=orth(1.0))
 
     def _heads(self, params, h):
