@@ -28,39 +28,6 @@ Path = tuple[str, ...]
 #: ``blox.parallel.fsdp_call``, which gathers it.
 FSDP_MARK = "fsdp"
 
-_FSDP_READ = (
-    "Parameter '{path}' is this device's FSDP shard {shape} of a weight sharded over "
-    "{axis!r} along dimension {dim}, and it was read outside bp.fsdp_call: the layer would "
-    "compute on its local piece of the weight (wrong numbers, or a shape error that does "
-    "not say why). In the FSDP loss function, call the layer through fsdp_call, which "
-    "gathers its weights:\n"
-    "    y, params = bp.fsdp_call(layer, params, x)\n"
-    "A weight used by two layers (tied embeddings) needs under= covering its path, e.g. "
-    "bp.fsdp_call(fn, params, x, under={prefix!r})."
-)
-
-
-def fsdp_read_error(path: Path, info: tuple, value: Any) -> ValueError | None:
-    """The error for reading a leaf marked as an FSDP shard (`FSDP_MARK`) outside
-    ``fsdp_call``, or None for any other leaf. Cheap: a look at its metadata."""
-    meta = info[1]
-    if not meta:
-        return None
-    for k, v in meta:
-        if k == FSDP_MARK:
-            axis, dim, *_ = _thaw(v)
-            shape = tuple(getattr(value, "shape", ()))
-            return ValueError(
-                _FSDP_READ.format(
-                    path=format_path(path),
-                    shape=shape,
-                    axis=axis,
-                    dim=dim,
-                    prefix=format_path(path[:-1]),
-                )
-            )
-    return None
-
 __all__ = ["Param", "Params", "Path", "format_path"]
 
 
@@ -169,6 +136,40 @@ def _make_info(trainable: bool, metadata: Mapping[str, Any] | None, where: str) 
     if not metadata:
         return _DEFAULT_INFOS[trainable]
     return (trainable, _freeze(metadata, where))
+
+
+_FSDP_READ = (
+    "Parameter '{path}' is this device's FSDP shard {shape} of a weight sharded over "
+    "{axis!r} along dimension {dim}, and it was read outside bp.fsdp_call: the layer would "
+    "compute on its local piece of the weight (wrong numbers, or a shape error that does "
+    "not say why). In the FSDP loss function, call the layer through fsdp_call, which "
+    "gathers its weights:\n"
+    "    y, params = bp.fsdp_call(layer, params, x)\n"
+    "A weight used by two layers (tied embeddings) needs under= covering its path, e.g. "
+    "bp.fsdp_call(fn, params, x, under={prefix!r})."
+)
+
+
+def fsdp_read_error(path: Path, info: tuple, value: Any) -> ValueError | None:
+    """The error for reading a leaf marked as an FSDP shard (`FSDP_MARK`) outside
+    ``fsdp_call``, or None for any other leaf. Cheap: a look at its metadata."""
+    meta = info[1]
+    if not meta:
+        return None
+    for k, v in meta:
+        if k == FSDP_MARK:
+            axis, dim, *_ = _thaw(v)
+            shape = tuple(getattr(value, "shape", ()))
+            return ValueError(
+                _FSDP_READ.format(
+                    path=format_path(path),
+                    shape=shape,
+                    axis=axis,
+                    dim=dim,
+                    prefix=format_path(path[:-1]),
+                )
+            )
+    return None
 
 
 # ---------------------------------------------------------------------------

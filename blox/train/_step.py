@@ -17,7 +17,12 @@ import optax
 from jax.typing import ArrayLike
 
 from blox.core import Params
-from blox.core._guards import check_no_new_params, check_reduce_dtype, to_reduce_dtype
+from blox.core._guards import (
+    check_no_new_params,
+    check_placement,
+    check_reduce_dtype,
+    to_reduce_dtype,
+)
 from blox.core._params import Path
 from blox.train._precision import DynamicLossScale, LossScaleState, Policy, all_finite
 
@@ -581,6 +586,7 @@ def make_train_step(
     if loss_scale is None:
 
         def step(params, opt_state, *batch):
+            check_placement((params, opt_state, batch), "make_train_step")  # eager calls
             (loss, aux), grads, params = grads_of(params, None, batch)
             params, opt_state = update(params, opt_state, grads)
             return params, opt_state, _metrics(loss, aux, has_aux)
@@ -594,6 +600,7 @@ def make_train_step(
                 f"ls_state, *batch) with ls_state = loss_scale.init(); got "
                 f"{type(ls_state).__name__} as the third argument."
             )
+        check_placement((params, opt_state, batch), "make_train_step")  # eager calls
         (loss, aux), grads, new_params = grads_of(params, ls_state.scale, batch)
         grads = loss_scale.unscale(grads, ls_state)
         finite = all_finite(grads)
