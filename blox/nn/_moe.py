@@ -356,7 +356,7 @@ class MoE(Module):
         )
         choose = scores
         if bias is not None:
-            choose = scores + jax.lax.stop_gradient(_replicated(bias).astype(rd))
+            choose = scores + jax.lax.stop_gradient(_replicated(bias).astype(rd))[None, :]
         _, experts = jax.lax.top_k(jax.lax.stop_gradient(choose), self.top_k)
         gates = jnp.take_along_axis(scores, experts, axis=-1)
         if self.normalize:
