@@ -52,7 +52,11 @@ __all__ = [
     "make_fsdp_train_step",
 ]
 
-MARK = FSDP_MARK  # metadata key of a local shard inside the step: (axis, dim, reduce dtype)
+# The metadata key of a local shard inside the step: (axis, dim, reduce dtype, stored
+# dtype). The last two are dtype names or None: the dtype of the reduce-scatter, and the
+# dtype the weight is gathered and used in when the step holds the shard in the reduce
+# dtype (bf16 weights, f32 gradient sums).
+MARK = FSDP_MARK
 _GATHER_MODES = ("per_layer", "per_step")
 
 
@@ -262,14 +266,15 @@ def _sharded_dims(specs: Params, axis: str, where: str) -> dict[Path, int]:
 # ---------------------------------------------------------------------------
 
 
-def _mark_of(info: tuple) -> tuple[str, int, str | None] | None:
+def _mark_of(info: tuple) -> tuple[str, int, str | None, str | None] | None:
     meta = info[1]
     if not meta:
         return None
     for k, v in meta:
         if k == MARK:
             axis, dim, *rest = _thaw(v)
-            return axis, dim, (rest[0] if rest else None)
+            rest = list(rest) + [None] * (2 - len(rest))
+            return axis, dim, rest[0], rest[1]
     return None
 
 
@@ -452,19 +457,21 @@ def fsdp_call(
             first = jnp.real(leaves[0].ravel()[0]).astype(jnp.float32)
             dep = jnp.minimum(jnp.abs(first), jnp.zeros((), jnp.float32))  # 0 (NaN stays)
             shards = tuple(x + dep.astype(x.dtype) for x in shards)
+        # A shard held in the reduce dtype is gathered (and used) in its stored dtype.
         return tuple(
-            jax.lax.all_gather(x, axis, axis=dim, tiled=True)
-            for x, (axis, dim, _) in zip(shards, marks, strict=True)
+            jax.lax.all_gather(x if use is None else x.astype(use), axis, axis=dim, tiled=True)
+            for x, (axis, dim, _, use) in zip(shards, marks, strict=True)
         )
 
-    def scatter(grads):
+    def scatter(grads, shards):
         # The sum over the data axis runs in the step's reduce dtype (f32 for bf16
-        # gradients); the cotangent of the shard goes back in the shard's dtype.
+        # gradients); the cotangent of a shard has the shard's dtype: the reduce dtype
+        # when the step holds the shard in it (then no rounding), else the stored one.
         out = []
-        for g, (axis, dim, rd) in zip(grads, marks, strict=True):
+        for g, x, (axis, dim, rd, _) in zip(grads, shards, marks, strict=True):
             r = reduce_dtype_of(g.dtype, rd)
-            x = jax.lax.psum_scatter(g.astype(r), axis, scatter_dimension=dim, tiled=True)
-            out.append(x.astype(g.dtype))
+            y = jax.lax.psum_scatter(g.astype(r), axis, scatter_dimension=dim, tiled=True)
+            out.append(y.astype(x.dtype))
         return tuple(out)
 
     if remat:
@@ -482,13 +489,26 @@ def fsdp_call(
             shards, values, dyn, after = res
             _, vjp = jax.vjp(call, gather(shards, ct[0]), values, dyn)
             g_full, g_values, g_dyn = vjp(ct)
-            return scatter(g_full), g_values, g_dyn, [jnp.zeros_like(a) for a in after]
+            return scatter(g_full, shards), g_values, g_dyn, [jnp.zeros_like(a) for a in after]
 
         run.defvjp(run_fwd, run_bwd)
     else:
 
+        @jax.custom_vjp
         def run(shards, values, dyn, after):
             return call(gather(shards, after or dyn), values, dyn)
+
+        def run_fwd(shards, values, dyn, after):
+            # Residuals: the layer's own (full weights included), as autodiff keeps them.
+            out, vjp = jax.vjp(call, gather(shards, after or dyn), values, dyn)
+            return out, (vjp, shards, after)
+
+        def run_bwd(res, ct):
+            vjp, shards, after = res
+            g_full, g_values, g_dyn = vjp(ct)
+            return scatter(g_full, shards), g_values, g_dyn, [jnp.zeros_like(a) for a in after]
+
+        run.defvjp(run_fwd, run_bwd)
 
     shards = tuple(params._values[i] for i in idx)
     others = tuple(None if i in idx else v for i, v in enumerate(params._values))
@@ -577,11 +597,12 @@ def fsdp_value_and_grad(
         `dp_value_and_grad`).
       reduce_dtype: the dtype of the gradient sums, of the reduce-scatters and of the
         all-reduce (default ``None``: float32 for bf16/fp16 gradients, else their own
-        dtype). With ``'per_layer'`` each microbatch's reduce-scatter (inside
-        `fsdp_call`'s backward) runs in it and its result is rounded once to the
-        shard's dtype (the cotangent of a ``custom_vjp`` has its primal's dtype), then
-        accumulated in it; with ``'per_step'`` every sum runs in it. The gradients are
-        returned in their params' dtypes.
+        dtype). With ``'per_layer'`` the step holds each shard in it while the loss runs
+        (`fsdp_call` gathers and uses the weight in its stored dtype, e.g. bf16), so the
+        reduce-scatter in `fsdp_call`'s backward runs in it and its result is
+        accumulated over the microbatches without rounding; with ``'per_step'`` every
+        sum runs in it. The gradients are returned in their params' dtypes (rounded
+        once, at the end).
 
     Returns:
       ``f(params, *batch)``; ``grads`` holds local shards of the sharded leaves (leave the
@@ -663,9 +684,21 @@ def _fsdp_value_and_grad(
             )
             trainable_v = _to_varying(Params._make(trainable._struct, values), (name,))
         else:
+            # Each shard is held in the reduce dtype (f32 for bf16 weights) while the loss
+            # runs: fsdp_call gathers and uses it in its stored dtype, and the cotangent of
+            # the f32 shard carries the f32 reduce-scatter without rounding it.
+            stored = {key: trainable._values[trainable._struct.index[key]].dtype for key in dims}
+            held = {key: reduce_dtype_of(dt, reduce_dtype) for key, dt in stored.items()}
+            values = tuple(
+                v.astype(held[key]) if key in dims and held[key] != v.dtype else v
+                for key, v in zip(trainable.keys(), trainable._values, strict=True)
+            )
             trainable_v = _with_marks(
-                _to_varying(trainable, (name,)),
-                {key: (name, d, rd_name) for key, d in dims.items()},
+                _to_varying(Params._make(trainable._struct, values), (name,)),
+                {
+                    key: (name, d, rd_name, None if held[key] == stored[key] else str(stored[key]))
+                    for key, d in dims.items()
+                },
             )
 
         sums, rest = accumulate_microbatches(

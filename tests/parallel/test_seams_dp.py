@@ -157,7 +157,7 @@ def test_fit_raises_when_the_step_returns_new_paths():
 ROWS, SHARDS = 16, 4  # one row per microbatch: 16 on one device, 4 x 4 with 4 shards
 
 
-def _bf16_linear():
+def _bf16_linear(remat=True):
     """A bias-free bf16 Linear (8 -> 4) with a zero kernel and the loss mean_b sum_j
     (x_b @ W)_j: the gradient of one row is x_b[i] for every j, exact in bf16, so
     everything a step adds up is exact in f32 and the right bf16 result is the f32 sum
@@ -168,7 +168,7 @@ def _bf16_linear():
     fc.kernel_init = lambda key, shape, dtype: jnp.zeros(shape, dtype)
 
     def loss_fn(p, x):
-        y, p = bp.fsdp_call(fc, p, x)
+        y, p = bp.fsdp_call(fc, p, x, remat=remat)
         return jnp.mean(jnp.sum(y, axis=-1)), p
 
     r = np.random.default_rng(1)
@@ -180,7 +180,8 @@ def _bf16_linear():
 
 
 def _kernel_after_one_step(kind, reduce_dtype, lower=False, gather="per_layer"):
-    loss_fn, params, x, want = _bf16_linear()
+    loss_fn, params, x, want = _bf16_linear(remat=gather != "per_layer_no_remat")
+    gather = "per_layer" if gather == "per_layer_no_remat" else gather
     tx = optax.sgd(-1.0)
     kw = {} if reduce_dtype == "default" else {"reduce_dtype": reduce_dtype}
     if kind == "one_device":
@@ -199,27 +200,35 @@ def _kernel_after_one_step(kind, reduce_dtype, lower=False, gather="per_layer"):
     return np.asarray(new[("net", "fc", "kernel")].value), np.asarray(want)
 
 
-@pytest.mark.parametrize("kind", ["one_device", "dp", "fsdp"])
-def test_bf16_gradients_are_the_f32_sum_rounded_once(kind):
+@pytest.mark.parametrize(
+    "kind, gather",
+    [
+        ("one_device", None),
+        ("dp", None),
+        ("fsdp", "per_layer"),
+        ("fsdp", "per_layer_no_remat"),
+        ("fsdp", "per_step"),
+    ],
+)
+def test_bf16_gradients_are_the_f32_sum_rounded_once(kind, gather):
     """Accumulation over 16 microbatches (one device), or over 4 microbatches and then
-    the 4-way all-reduce (DP) / reduce-scatter (FSDP): the default sums in f32, so the
-    bf16 gradient is the exact sum rounded once; summed in bf16 (today's behaviour,
-    still available as reduce_dtype=bfloat16) entries are off by an ulp or more. (XLA's
-    CPU all-reduce of bf16 happens to round only once; NCCL's sums in bf16, which the
-    HLO test below rules out.) FSDP gathers per step here: per layer, each microbatch's
-    reduce-scatter result is rounded to bf16 once (a custom_vjp's cotangent has the
-    shard's dtype), as fsdp_value_and_grad documents."""
-    got, want = _kernel_after_one_step(kind, "default", gather="per_step")
+    the 4-way all-reduce (DP) / reduce-scatters (FSDP, per layer inside fsdp_call's
+    backward or once per step): the default sums in f32, so the bf16 gradient is the
+    exact sum rounded once; summed in bf16 (today's behaviour, still available as
+    reduce_dtype=bfloat16) entries are off by an ulp or more. (XLA's CPU all-reduce of
+    bf16 happens to round only once; NCCL's sums in bf16, which the HLO test below rules
+    out.)"""
+    got, want = _kernel_after_one_step(kind, "default", gather=gather)
     assert got.dtype == want.dtype  # the gradient comes back in the params' dtype
     np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
-    low, _ = _kernel_after_one_step(kind, jnp.bfloat16, gather="per_step")
+    low, _ = _kernel_after_one_step(kind, jnp.bfloat16, gather=gather)
     assert np.any(low.astype(np.float32) != want.astype(np.float32))
 
 
 @pytest.mark.parametrize("kind", ["dp", "fsdp"])
 def test_the_lowered_step_reduces_bf16_gradients_in_f32(kind):
     """DP's all-reduce and FSDP's per-layer reduce-scatter (inside fsdp_call's backward)
-    run on f32 operands by default."""
+    run on f32 operands by default; FSDP still all-gathers the bf16 weights in bf16."""
     text = _kernel_after_one_step(kind, "default", lower=True)
     op = "reduce_scatter" if kind == "fsdp" else "all_reduce"
     # Each op: '"stablehlo.<op>"(%x) <{...}> ({ reduction body }) : (operand types) -> ...'
@@ -227,6 +236,11 @@ def test_the_lowered_step_reduces_bf16_gradients_in_f32(kind):
     assert ops, f"no {op} in the lowered step"
     types = {t for o in ops for t in re.findall(r"x(bf16|f32)>", o)}
     assert types == {"f32"}, ops
+    if kind == "fsdp":
+        gathers = re.findall(r'"stablehlo\.all_gather"\(%[^)]*\).*?: \(([^)]*)\)', text)
+        assert gathers and {t for o in gathers for t in re.findall(r"x(bf16|f32)>", o)} == {
+            "bf16"
+        }, gathers
 
 
 # ---------------------------------------------------------------------------
@@ -318,7 +332,8 @@ def test_fsdp_step_given_unsharded_params_names_the_leaf_and_fsdp_specs():
     with pytest.raises(
         ValueError,
         match=r"(?s)make_fsdp_train_step: parameter 'net/fc/kernel' float32\[32, 64\] is laid "
-        r"out as P\(None, None\), but the step's specs \(fsdp_specs\) have P\(None, 'data'\).*bp\.place",
+        r"out as P\(None, None\), but the step's specs \(fsdp_specs\) have "
+        r"P\(None, 'data'\).*bp\.place",
     ):
         step(replicated, tx.init(replicated.split()[0]), x)
     with pytest.raises(ValueError, match=r"'net/fc/kernel' .* is not on the mesh"):
