@@ -1,10 +1,20 @@
-"""Checks that a train step runs on finished params: no parameter is created inside the
-loss, and every `Rng` that draws keys inside a data-parallel step is folded per shard.
+"""Checks shared by the train steps of `blox.train` and `blox.parallel`.
+
+* `check_no_new_params`: no parameter is created inside the loss (a layer first called
+  there would be re-initialized at every step and dropped).
+* `check_rngs_listed`: every `Rng` that draws keys inside a data-parallel step is listed
+  in its ``rngs=`` (else every shard draws the same keys).
 
 Both run at trace time (they compare structure and array identity, never values), so
-they work inside ``jax.jit`` and ``jax.shard_map`` and cost nothing at run time. The
-train steps of `blox.train` and `blox.parallel` call them on the params a loss function
-received and the params it returned.
+they work inside ``jax.jit`` and ``jax.shard_map`` and cost nothing at run time; the
+steps call them on the params a loss function received and the params it returned.
+
+* `check_placement`: a concrete array moved off a mesh with ``jax.device_put(x,
+  device)`` keeps the mesh in its type (JAX 0.10) and fails the next ``jax.jit`` with
+  unhelpful advice; the steps (called outside ``jax.jit``) and `fit` name it and
+  ``blox.parallel.place``.
+* `reduce_dtype_of` / `to_reduce_dtype`: the dtype gradient sums run in (float32 for
+  bf16/fp16 values by default).
 """
 
 from __future__ import annotations

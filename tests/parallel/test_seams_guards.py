@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -173,3 +174,20 @@ def test_device_put_off_the_mesh_is_named_by_check_placement(mesh):
 def test_place_rejects_an_unknown_target():
     with pytest.raises(TypeError, match=r"place: target must be a jax\.Device"):
         bp.place({"x": jnp.ones(2)}, "cpu:0")
+
+
+def test_fit_and_an_eager_make_train_step_name_params_moved_off_the_mesh(mesh):
+    rng, fc, head, params = _model()
+    stale = jax.device_put(bp.place(params, mesh), jax.devices()[5])
+
+    def loss_fn(p, x):
+        y, p = fc(p, x)
+        return jnp.mean(y**2), p
+
+    tx = optax.sgd(0.1)
+    step = bx.make_train_step(loss_fn, tx)
+    opt = tx.init(params.split()[0])
+    with pytest.raises(ValueError, match=r"(?s)make_train_step: leaf .*net/fc/bias.*bp\.place"):
+        step(stale, opt, jnp.ones((1, 3)))
+    with pytest.raises(ValueError, match=r"(?s)fit: leaf .*net/fc/bias.*bp\.place"):
+        bx.fit(jax.jit(step), stale, opt, [(jnp.ones((1, 3)),)], progress=False)
