@@ -866,6 +866,104 @@ def _check_fns(cfg: _Static, stage: Params, shared: Params, x: Any, h: Any, y: A
     return jax.eval_shape(probe)
 
 
+# -- integer state computed from the batch (DP x PP) --------------------------------------------
+def _deps(jaxpr: Any, ins: list[bool]) -> list[bool]:
+    """Per output of `jaxpr`: whether it depends on an input flagged in `ins` (data
+    flow; through scans and while loops to a fixed point over the carry, conds by
+    branch, and the jaxprs of calls; any other primitive: every output of a dependent
+    input)."""
+    dep = {v for v, d in zip(jaxpr.invars, ins, strict=True) if d}
+    for eqn in jaxpr.eqns:
+        d_in = [not isinstance(a, Literal) and a in dep for a in eqn.invars]
+        if any(d_in):
+            outs = _eqn_deps(eqn, d_in)
+            dep.update(v for v, d in zip(eqn.outvars, outs, strict=True) if d)
+    return [not isinstance(v, Literal) and v in dep for v in jaxpr.outvars]
+
+
+def _eqn_deps(eqn: Any, d_in: list[bool]) -> list[bool]:
+    p, name, n_out = eqn.params, eqn.primitive.name, len(eqn.outvars)
+    inner = lambda j: getattr(j, "jaxpr", j)  # noqa: E731
+    either = lambda a, b: [x or y for x, y in zip(a, b, strict=True)]  # noqa: E731
+    if name == "scan":
+        body, nc, nk = inner(p["jaxpr"]), p["num_consts"], p["num_carry"]
+        consts, carry, xs = d_in[:nc], d_in[nc : nc + nk], d_in[nc + nk :]
+        while True:
+            out = _deps(body, consts + carry + xs)
+            new = either(carry, out[:nk])
+            if new == carry:
+                return carry + out[nk:]
+            carry = new
+    if name == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cc, bc, carry = d_in[:cn], d_in[cn : cn + bn], d_in[cn + bn :]
+        while True:
+            if any(_deps(inner(p["cond_jaxpr"]), cc + carry)):
+                return [True] * n_out  # the trip count depends on it
+            new = either(carry, _deps(inner(p["body_jaxpr"]), bc + carry))
+            if new == carry:
+                return carry
+            carry = new
+    if name == "cond":
+        if d_in[0]:
+            return [True] * n_out
+        outs = [False] * n_out
+        for branch in p["branches"]:
+            outs = either(outs, _deps(inner(branch), d_in[1:]))
+        return outs
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = p.get(key)
+        if sub is not None and hasattr(inner(sub), "eqns"):
+            j = inner(sub)
+            if len(j.invars) == len(d_in) and len(j.outvars) == n_out:
+                return _deps(j, d_in)
+    return [True] * n_out
+
+
+_INT_STATE = (
+    "pipeline_value_and_grad: the non-trainable parameter '{path}' ({dtype}) differs "
+    "between the shards of the data axis {axis!r}: {fn} computes it from the batch (or "
+    "from an Rng seed folded per shard), so each data shard's pipeline ends with another "
+    "value, and an integer cannot be averaged back into one replicated value (the step "
+    "would return one shard's, silently). Keep such a statistic in a floating dtype (it "
+    "is then averaged over the shards, like BatchNorm's), or compute it outside the step."
+)
+
+
+def _check_int_state(cfg: _Static, stage: tuple, shared: tuple, x: Any, h: Any, y: Any) -> None:
+    """With a data axis: no integer state may be computed from the batch (or from a seed
+    that `rngs` folds per shard); it would differ between the data shards."""
+    if cfg.data_axis is None:
+        return
+    fns = cfg.fns
+    folded = {r.param_path("seed") for r in cfg.rngs}
+    (tr, st), (tr_sh, st_sh) = stage, shared
+    calls = [("stage_fn", tr, st, h, lambda p, d: fns.plain_stage(p, d))]
+    if fns.first is not None:
+        calls.append(("first_fn", tr_sh, st_sh, x, lambda p, d: fns.first(p, d)))
+    calls.append(("last_fn", tr_sh, st_sh, (h, y), lambda p, d: fns.last(p, *d)))
+    for name, tr_, st_, data, call in calls:
+        keys = list(st_.keys())
+        leaves, treedef = jax.tree.flatten(st_)
+        flat, dtree = jax.tree.flatten(data)
+
+        def f(vals, d, tr_=tr_, call=call, keys=keys, treedef=treedef, dtree=dtree):
+            params = tr_.merge(jax.tree.unflatten(treedef, vals))
+            new = call(params, jax.tree.unflatten(dtree, d))[1].arrays()
+            return [new[k] for k in keys]
+
+        closed = jax.make_jaxpr(f)(leaves, flat)
+        ins = [k in folded for k in keys] + [True] * len(flat)
+        for key, leaf, d in zip(keys, leaves, _deps(closed.jaxpr, ins), strict=True):
+            # (a folded seed itself is restored after the step)
+            if d and key not in folded and not jnp.issubdtype(leaf.dtype, jnp.inexact):
+                raise ValueError(
+                    _INT_STATE.format(
+                        path=format_path(key), dtype=leaf.dtype, axis=cfg.data_axis, fn=name
+                    )
+                )
+
+
 def _acc_zeros(tree: Any, reduce: Any) -> Any:
     """Zeros of each leaf's shape and varying axes, in its accumulation dtype."""
     return jax.tree.map(
@@ -906,6 +1004,7 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
     h_aval = jax.eval_shape(lambda: _first(fns, tr_sh, st_sh, x0)[0])
     h_zero = _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h_aval), axes)
     out_aval = _check_fns(cfg, tr0.merge(st0), shared, x0, h_zero, y0)
+    _check_int_state(cfg, (tr0, st0), (tr_sh, st_sh), x0, h_zero, y0)
     _check_keeps_activation("pipeline_value_and_grad", h_aval, out_aval)
     n = m * cfg.dp
     last_aval = jax.eval_shape(lambda: _last_out(fns, fns.last(tr_sh.merge(st_sh), h_zero, y0)))
@@ -1146,7 +1245,9 @@ def pipeline_value_and_grad(
 
     Args:
       stage_fn: as above. Non-trainable params it changes (RNG counters, BatchNorm
-        statistics) are threaded through the forwards of its stage in microbatch order.
+        statistics) are threaded through the forwards of its stage in microbatch order;
+        with `data_axis`, floating ones are then averaged over it (integer ones computed
+        from the batch raise).
       last_fn: as above; returns a floating scalar.
       mesh: a mesh with `stage_axis` (length ``p``), if given `data_axis`, and any axes
         `stage_specs` names (e.g. ``'model'`` for tensor parallelism).
@@ -1222,8 +1323,9 @@ def pipeline_value_and_grad(
         that changes the activation's shape or dtype; `stage_specs` whose paths differ
         from the stage params', or that shard a non-trainable leaf over `data_axis`; a
         function that creates a parameter (initialize the model and lock its params
-        first); with `data_axis`, an `Rng` that draws and is not in `rngs`; an `Rng` in
-        `rngs` that neither params hold; a shared non-trainable leaf that `first_fn` and
+        first); with `data_axis`, an `Rng` that draws and is not in `rngs`, or integer
+        state a function computes from the batch; an `Rng` in `rngs` that neither
+        params hold; a shared non-trainable leaf that `first_fn` and
         `last_fn` both change, other than an `Rng` counter; a process-local batch on a
         multi-process mesh; a `reduce_dtype` that is not floating.
       TypeError: a function that does not return ``(outputs, params)``; `rngs` that are

@@ -402,3 +402,51 @@ def test_unlisted_rng_on_a_data_axis_raises():
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"Rng 'elsewhere/rng'.*neither stage_params"):
         jax.eval_shape(step, *batch)
+
+
+class _Tally(bx.Module):
+    """Integer state computed from the data: the positive activations seen."""
+
+    def __call__(self, params, h):
+        n, params = self.get_param(
+            params, "count", (), jax.nn.initializers.zeros, dtype=jnp.int32, trainable=False
+        )
+        return h, self.set_param(params, "count", n + jnp.sum(h > 0).astype(jnp.int32))
+
+
+def test_integer_state_from_the_batch_raises_on_a_data_axis():
+    """Each data shard's pipeline counts its own rows, and an integer cannot be averaged
+    over the shards (the step returned the larger shard's count): it raises naming the
+    leaf, as the DP and FSDP steps do. The stage's Rng counter, carried with the
+    activation through a lax.scan, depends on no data and passes."""
+    fns, shared, stages, rngs = _model(P)
+    first_fn, stage_fn, last_fn, _ = fns
+    tally = _Tally(bx.Graph("stage") / "tally")
+
+    def counting(params, h):
+        h, params = stage_fn(params, h)
+        return tally(params, h)
+
+    def scanning(params, h):
+        def body(carry, _):
+            return stage_fn(carry[1], carry[0]), None
+
+        return jax.lax.scan(body, (h, params), None, length=2)[0]
+
+    x, y = _data()
+    counted = [tally(s.unlocked(), jnp.zeros((1, WIDTH)))[1].locked() for s in stages]
+    for fn, params in ((counting, counted), (scanning, stages)):
+        step = pipeline_value_and_grad(
+            fn, last_fn, _mesh((2, P), ("data", "stage")), num_microbatches=M,
+            first_fn=first_fn, data_axis="data", has_aux=True, rngs=rngs,
+        )  # fmt: skip
+        args = (stack_stages(params), shared, x, (y, jnp.asarray(MASK)))
+        if fn is scanning:
+            jax.eval_shape(step, *args)
+            continue
+        with pytest.raises(
+            ValueError,
+            match=r"non-trainable parameter 'stage/tally/count' \(int32\) differs between "
+            r"the shards of the data axis 'data': stage_fn computes it from the batch",
+        ):
+            jax.eval_shape(step, *args)
