@@ -120,7 +120,8 @@ class MoE(Module):
     ``token_axes`` (mesh-axis names over which the tokens are split, bound by the
     enclosing ``jax.shard_map``) every sum over tokens below is also a ``psum`` over
     those axes, so splitting the batch does not change them (the same value on every
-    shard). Without ``token_axes`` they are over this call's N tokens.
+    shard). Without ``token_axes``, or where none of them is bound (a global call: all
+    the tokens are here), they are over this call's N tokens.
 
       * ``aux['balance_loss']``: ``mean_e(density_e * prob_e) * E**2``, with
         ``density_e`` the fraction of tokens that chose expert e (counting every
@@ -363,11 +364,26 @@ class MoE(Module):
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
         return (experts.astype(jnp.int32), gates, logits), params
 
-    def _token_sum(self, v: jax.Array) -> jax.Array:
+    def _token_sum(self, v: Any) -> Any:
+        """`v` summed over the bound ``token_axes``: none bound (a global call, all the
+        tokens are here) sums nothing; some bound but not all raises."""
         if self.token_axes is None:
             return v
-        axes = self.token_axes if len(self.token_axes) > 1 else self.token_axes[0]
-        return jax.lax.psum(v, axes)
+        from blox.parallel._mesh import bound_axes  # blox.parallel imports blox.nn
+
+        bound = bound_axes()
+        here = [a for a in self.token_axes if a in bound]
+        if not here:
+            return v
+        if len(here) < len(self.token_axes):
+            missing = [a for a in self.token_axes if a not in bound]
+            raise ValueError(
+                f"{self.kind} '{self.path_str}': token_axes {self.token_axes} are only "
+                f"partly bound here (missing {missing}; bound: {bound}). Run the layer "
+                "inside a shard_map over all of them, or list only the axes the tokens "
+                "are split over."
+            )
+        return jax.lax.psum(v, tuple(here) if len(here) > 1 else here[0])
 
     def _aux(self, experts: jax.Array, logits: jax.Array, dropped: jax.Array) -> dict:
         n, e = logits.shape
@@ -451,11 +467,15 @@ class MoE(Module):
         slot = jnp.where(keep, experts * capacity + pos, e * capacity)
         return slot, keep
 
-    def _capacity(self, w, xt, experts, gates, cd, precision):
+    def plan_capacity(self, num_tokens: int) -> int | None:
+        """The capacity this call dispatches with for `num_tokens` tokens: None for the
+        dropless path, else C (`capacity`)."""
+        return None if self.capacity_factor is None else self.capacity(num_tokens)
+
+    def _capacity(self, w, xt, experts, gates, cd, precision, c):
         n, k = experts.shape
         g, e = self.groups, self.num_experts
         m = n // g
-        c = self.capacity(n)
         slot, keep = self.dispatch_slots(experts.reshape(g, m, k), c)
         xg = xt.astype(cd).reshape(g, m, 1, -1)
         src = jnp.broadcast_to(xg, (g, m, k, xg.shape[-1]))
@@ -493,7 +513,7 @@ class MoE(Module):
         out_sharding = explicit_sharding(x)
         xt = _replicated(x).reshape(-1, d)
         n = xt.shape[0]
-        if self.capacity_factor is not None and n % self.groups:
+        if (self.capacity_factor is not None or self._manual()) and n % self.groups:
             raise ValueError(
                 f"{where}: groups={self.groups} does not divide the {n} tokens of input "
                 f"shape {tuple(x.shape)}. Use a number of groups that divides {n} (one "
@@ -503,10 +523,11 @@ class MoE(Module):
         w, params = self._expert_params(params, d)
         w = {k: _replicated(v) for k, v in w.items()}
         cd = compute_dtype(x, w["up"].dtype, self.dtype)
-        if self.capacity_factor is None:
+        c = self.plan_capacity(n)
+        if c is None:
             y, dropped = self._dropless(w, xt.astype(cd), experts, gates, cd, precision)
         else:
-            y, dropped = self._capacity(w, xt, experts, gates, cd, precision)
+            y, dropped = self._capacity(w, xt, experts, gates, cd, precision, c)
         if self.shared is not None:
             ws, params = self._shared_params(params, d)
             ws = {k: _replicated(v) for k, v in ws.items()}
@@ -520,6 +541,10 @@ class MoE(Module):
         if out_sharding is not None:
             y = jax.sharding.reshard(y, out_sharding)
         return (y, aux), params
+
+    def _manual(self) -> bool:
+        """Whether the experts are split over a bound mesh axis (expert parallelism)."""
+        return False
 
     def _check_stored(self, params: Params, d: int, shape: tuple) -> None:
         stored = self.router.peek_param(params, "kernel")

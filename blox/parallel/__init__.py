@@ -13,6 +13,8 @@ behind the user's back.
   `fsdp_value_and_grad`, `make_fsdp_train_step`, `bytes_per_device`.
 * Tensor parallelism: `ColumnParallelLinear`, `RowParallelLinear`, `ParallelMLP`,
   `ParallelMultiHeadAttention`, `ParallelTransformerBlock`.
+* Expert parallelism (inside your ``shard_map``): `ExpertParallelMoE`, `moe_ep_rules`,
+  `ep_value_and_grad`, `ragged_dispatch_plan`.
 * Per-device RNG streams: `fold_seeds`, `restore_seeds`.
 * Pipeline parallelism: `pipeline_value_and_grad`, `stack_stages`, `unstack_stages`,
   `Schedule`, `Action`, `Program`, `gpipe_schedule`, `one_f_one_b_schedule`,
@@ -28,6 +30,10 @@ from blox.parallel._collectives import reduce_scatter as reduce_scatter
 from blox.parallel._dp import dp_value_and_grad as dp_value_and_grad
 from blox.parallel._dp import make_dp_train_step as make_dp_train_step
 from blox.parallel._dp import split_batch as split_batch
+from blox.parallel._expert import ExpertParallelMoE as ExpertParallelMoE
+from blox.parallel._expert import ep_value_and_grad as ep_value_and_grad
+from blox.parallel._expert import moe_ep_rules as moe_ep_rules
+from blox.parallel._expert import ragged_dispatch_plan as ragged_dispatch_plan
 from blox.parallel._fsdp import bytes_per_device as bytes_per_device
 from blox.parallel._fsdp import fsdp_call as fsdp_call
 from blox.parallel._fsdp import fsdp_specs as fsdp_specs
