@@ -11,8 +11,10 @@ written with plain ``jax.value_and_grad`` (the independent references).
   one-device sequential run's loss, gradients and counter (item 6); state that cannot be
   merged raises naming the leaf.
 * bf16 params: the accumulation over microbatches and the collectives run in float32
-  (the lowered program's all-reduces), and gradients match the float32 model within bf16
-  compute error where bf16 sums are 5 % off (item 7).
+  (the lowered program's scan carry and all-reduces; FSDP stages' reduce-scatter), and
+  gradients match the float32 model within bf16 compute error where bf16 sums are 5 %
+  off (item 7).
+* Integer state computed from the batch on a data axis raises naming the leaf.
 * Misuse raises at trace time: a parameter created in a function, an `Rng` that draws on
   a data axis without being listed in ``rngs=`` (items 1, 5).
 """
@@ -320,8 +322,12 @@ def _reduction_types(lowered_text, op="all_reduce"):
 def test_bf16_params_accumulate_and_reduce_in_float32():
     step, args, x = _bf16_step()
     lowered = step.lower(*args)
-    types = _reduction_types(lowered.as_text())
+    text = lowered.as_text()
+    types = _reduction_types(text)
     assert "f32" in types and "bf16" not in types, types
+    # the slots' scan carries the gradient sums of w (this device's (1, 4)) and s in f32
+    (carry,) = re.findall(r"stablehlo.while\(.*?\) : ([^\n]*)", text)
+    assert "tensor<1x4xf32>" in carry and "tensor<4xf32>" in carry, carry
     loss, (g, g_sh), _ = lowered.compile()(*args)
     assert g["stage", "w"].value.dtype == jnp.bfloat16  # returned in the params' dtype
     # the float32 reference on one device: the mean over all rows of x * (the other w) * s
