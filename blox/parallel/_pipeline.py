@@ -6,15 +6,19 @@ The runtime, top to bottom:
 
 * `pipeline_value_and_grad` resolves the schedule and returns ``step``, a
   ``jax.shard_map`` (``check_vma=True``) of `_pipeline_body` over the whole mesh.
-* `_pipeline_body` (one device) probes the stage's VJP once (`_residual_layout`): which
-  residuals depend on the activation or the stage's state (stashed per microbatch) and
-  which only on the params (computed once per step and per chunk, `_param_residuals`).
-  It allocates the buffers (`_Buffers`: stash, forward inbox, backward inbox, and the
-  cotangents a split backward keeps from B to W), sized by `Schedule.program`, and runs
-  one ``lax.scan`` of `_slot` over the table's time slots; then it reduces loss and
-  gradients (``psum`` over the stage axis for the shared params, ``pmean`` over the data
-  axis; stage leaves sharded over the data axis (FSDP), reduce-scattered by
-  ``fsdp_call``, only divided by its size).
+* `_pipeline_body` (one device) folds the data index into the listed `Rng` seeds,
+  checks the three functions once at trace time (`_check_fns`: no new parameter, every
+  drawing `Rng` listed; `_check_int_state`; `_shared_plan`: how the shared state that
+  ``first_fn`` and ``last_fn`` change is merged) and probes the stage's VJP once
+  (`_residual_layout`): which residuals depend on the activation or the stage's state
+  (stashed per microbatch) and which only on the params (computed once per step and per
+  chunk, `_param_residuals`). It allocates the buffers (`_Buffers`: stash, forward inbox,
+  backward inbox, and the cotangents a split backward keeps from B to W), sized by
+  `Schedule.program`, and runs one ``lax.scan`` of `_slot` over the table's time slots,
+  accumulating gradients and the loss terms (``loss / (m D)``, or ``loss * weight``) in
+  the reduction dtype; then `_reduce` sums them (``psum`` over the stage axis and the
+  data axis; stage leaves sharded over the data axis (FSDP) arrive reduce-scattered by
+  ``fsdp_call``), divides by the total weight and casts back to the params' dtypes.
 * `_slot` (one time slot) runs this device's cell of the program, one action after the
   other (`_lane`; a cell may hold several, e.g. two forwards under ``'1f1b-2f'``): each
   reads the entries the program names (``dynamic_slice``: inbox, stash, kept cotangent,
