@@ -103,6 +103,9 @@ class MoE(Module):
     Legend: N tokens (every leading axis of ``x`` flattened), D ``x.shape[-1]``,
     E ``num_experts``, F ``hidden_size``, k ``top_k``, G ``groups``, C capacity.
 
+    Shapes: ``x (..., D)`` -> ``(y (..., D), aux)``, ``aux`` a dict of float32
+    scalars and ``aux['load'] (E,)`` (below).
+
     Dispatch:
       * **dropless** (``capacity_factor=None``, default): the ``N k`` (token, choice)
         pairs are sorted by expert and each expert multiplies its contiguous rows

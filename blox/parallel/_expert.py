@@ -39,7 +39,7 @@ from blox.core import Graph, Params, Rng
 from blox.core._params import format_path
 from blox.nn._moe import MoE, grouped_matmul
 from blox.parallel._collectives import check_axis
-from blox.parallel._mesh import bound_axes, check_vma_enabled
+from blox.parallel._mesh import bound_axes, check_vma_enabled, varying_axes
 
 __all__ = ["ExpertParallelMoE", "ep_value_and_grad", "moe_ep_rules", "ragged_dispatch_plan"]
 
@@ -147,6 +147,9 @@ def ragged_dispatch_plan(counts: Any, me: Any) -> dict[str, Any]:
 
 class ExpertParallelMoE(MoE):
     """An `MoE` whose experts are split over the mesh axis `axis` (expert parallelism).
+
+    Shapes: ``x (..., D)`` -> ``(y (..., D), aux)``, as `MoE`; inside ``shard_map``
+    ``x`` is this device's tokens.
 
     Same constructor, call, parameters (paths and full shapes) and ``aux`` as `MoE`, plus
     `axis` and `dispatch`, so one `Params` serves both. It runs in one of two modes,
@@ -400,7 +403,7 @@ def ep_value_and_grad(
         trainable, rest = params.split()
 
         def varying(x):
-            have = set(jax.typeof(x).vma)
+            have = varying_axes(x)
             missing = tuple(a for a in all_axes if a not in have)
             return jax.lax.pcast(x, missing, to="varying") if missing else x
 

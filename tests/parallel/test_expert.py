@@ -1,0 +1,283 @@
+"""Expert parallelism against one device (8 simulated CPU devices).
+
+* EP = 8 (Explicit mesh) and EP x DP = 2 x 4 (Auto mesh) train 3 steps equal to one
+  device (1e-5): a dropless `MoE` on one device (``ragged_dot``) against the dense
+  all-to-all path with the worst-case capacity, the balancing and z losses weighted
+  > 0, the routing bias updated every step from the global loads.
+* With drops (capacity factor 1), one device with ``groups = N`` equals EP = N: the
+  same tokens dropped, the same outputs and gradients.
+* Expert kernels per device are 1/N of the unsharded ones.
+* `ragged_dispatch_plan`'s offsets and sizes, run through a NumPy model of
+  ``ragged_all_to_all``, deliver every row to its expert's device grouped by local
+  expert and bring it back to its place; ``dispatch='ragged'`` on XLA:CPU raises.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import blox as bx
+from blox import parallel as bp
+
+D, E, F = 8, 8, 8
+B, T = 16, 4  # 64 tokens: 8 per device on 8 devices
+RULES = bp.moe_ep_rules() + [(".*", None)]
+LR, RATE = 0.1, 0.01
+
+
+def _mesh(shape, names, kind):
+    t = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[kind]
+    return jax.make_mesh(shape, names, axis_types=(t,) * len(shape))
+
+
+def _layers(token_axes, **kw):
+    """The EP layer and a plain `MoE` at the same paths (one Params serves both)."""
+    cfg = dict(top_k=2, routing_bias=True, balance_weight=0.1, z_weight=0.01, **kw)
+    g1, g2 = bx.Graph("net"), bx.Graph("net")
+    ep = bp.ExpertParallelMoE(g1 / "moe", E, F, bx.Rng(g1 / "rng"), token_axes=token_axes, **cfg)
+    rng = bx.Rng(g2 / "rng")
+    one = bx.MoE(g2 / "moe", E, F, rng, **cfg)
+    return ep, one, rng
+
+
+def _data(seed=0):
+    r = np.random.default_rng(seed)
+    x = jnp.asarray(r.standard_normal((B, T, D)), jnp.float32)
+    target = jnp.asarray(r.standard_normal((B, T, D)), jnp.float32)
+    return x, target
+
+
+def _init(one, rng, x):
+    def init(p, x):
+        return one(p, x)[1]
+
+    return jax.jit(init)(rng.seed(bx.Params(), seed=0), x).locked()
+
+
+def _loss_fn(layer):
+    def loss_fn(params, x, target):
+        (y, aux), params = layer(params, x)
+        return (jnp.mean(jnp.square(y - target)) + aux["loss"], aux), params
+
+    return loss_fn
+
+
+def _one_device_steps(one, params, x, target, steps):
+    """Plain jax.grad + SGD + the bias update, on one device, over the whole batch."""
+    loss_fn = _loss_fn(one)
+
+    @jax.jit
+    def step(params):
+        train, rest = params.split()
+
+        def f(t):
+            (loss, aux), _ = loss_fn(t.merge(rest), x, target)
+            return loss, aux
+
+        (loss, aux), g = jax.value_and_grad(f, has_aux=True)(train)
+        train = jax.tree.map(lambda p, g: p - LR * g, train, g)
+        params = one.update_bias(train.merge(rest), aux["load"], RATE)
+        return params, loss, aux
+
+    out = []
+    for _ in range(steps):
+        params, loss, aux = step(params)
+        out.append((float(loss), np.asarray(aux["load"]), float(aux["dropped"])))
+    return params, out
+
+
+def _ep_steps(ep, params, x, target, mesh, batch_axes, data_axes, steps):
+    """The user's step: shard_map over the mesh, ep_value_and_grad, SGD on the local
+    shards, the bias update from the global loads."""
+    specs = bp.param_specs(params, RULES, mesh)
+    params = jax.device_put(params, bp.param_shardings(params, RULES, mesh))
+    grad_fn = bp.ep_value_and_grad(_loss_fn(ep), data_axes=data_axes, has_aux=True)
+
+    def body(params, x, target):
+        (loss, aux), g, params = grad_fn(params, x, target)
+        train, rest = params.split()
+        train = jax.tree.map(lambda p, g: p - LR * g, train, g)
+        params = ep.update_bias(train.merge(rest), aux["load"], RATE)
+        return params, loss, aux
+
+    batch = P(batch_axes)
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch), out_specs=(specs, P(), P()))
+    )
+    x = jax.device_put(x, NamedSharding(mesh, batch))
+    target = jax.device_put(target, NamedSharding(mesh, batch))
+    out = []
+    for _ in range(steps):
+        params, loss, aux = step(params, x, target)
+        out.append((float(loss), np.asarray(aux["load"]), float(aux["dropped"])))
+    return params, out
+
+
+def _compare(ep_run, one_run):
+    (p_ep, out_ep), (p_one, out_one) = ep_run, one_run
+    for i, ((l_ep, load_ep, d_ep), (l_one, load_one, d_one)) in enumerate(
+        zip(out_ep, out_one, strict=True)
+    ):
+        np.testing.assert_allclose(l_ep, l_one, rtol=1e-5, err_msg=f"loss at step {i}")
+        np.testing.assert_array_equal(load_ep, load_one, err_msg=f"load at step {i}")
+        assert d_ep == d_one, (i, d_ep, d_one)
+    got, want = p_ep.arrays(), p_one.arrays()
+    assert got.keys() == want.keys()
+    for path in want:
+        np.testing.assert_allclose(
+            np.asarray(got[path]),
+            np.asarray(want[path]),
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg="/".join(path),
+        )
+    return out_ep
+
+
+@pytest.mark.parametrize(
+    "shape, names, kind, batch_axes, data_axes",
+    [
+        ((8,), ("expert",), "explicit", "expert", None),
+        ((4, 2), ("data", "expert"), "auto", ("data", "expert"), "data"),
+    ],
+    ids=["ep8-explicit", "dp4xep2-auto"],
+)
+def test_ep_equals_one_device_over_three_steps(shape, names, kind, batch_axes, data_axes):
+    mesh = _mesh(shape, names, kind)
+    token_axes = names
+    ep, one, rng = _layers(token_axes)
+    x, target = _data()
+    params = _init(one, rng, x)
+    with jax.default_matmul_precision("highest"):
+        ref = _one_device_steps(one, params, x, target, 3)
+        run = _ep_steps(ep, params, x, target, mesh, batch_axes, data_axes, 3)
+    out = _compare(run, ref)
+    assert all(d == 0 for _, _, d in out)  # worst-case capacity: nothing dropped
+    bias = np.asarray(run[0][("net", "moe", "router", "bias")].value)
+    assert np.any(bias != 0) and abs(bias.sum()) < 1e-6  # the bias moved, centred
+    # Expert kernels: 1/N of the unsharded bytes on each device (N = expert axis size).
+    n = dict(zip(names, shape, strict=True))["expert"]
+    for path, v in run[0].arrays().items():
+        if path[-2] == "experts":
+            local = v.addressable_shards[0].data.nbytes
+            assert local <= 1.1 * v.nbytes / n, (path, local, v.nbytes)
+
+
+def test_with_drops_one_device_with_n_groups_equals_ep_n():
+    mesh = _mesh((8,), ("expert",), "explicit")
+    ep, _, _ = _layers(("expert",), capacity_factor=1.0)
+    _, one, rng = _layers(None, capacity_factor=1.0, groups=8)
+    x, target = _data(seed=1)
+    params = _init(one, rng, x)
+    assert one.capacity(B * T) == 2  # ceil(1.0 * 2 * 8 / 8) per expert per device
+    with jax.default_matmul_precision("highest"):
+        ref = _one_device_steps(one, params, x, target, 2)
+        run = _ep_steps(ep, params, x, target, mesh, "expert", None, 2)
+    out = _compare(run, ref)
+    assert all(d > 0 for _, _, d in out), out  # tokens were dropped, the same ones
+
+
+def test_params_replicated_instead_of_split_are_named():
+    mesh = _mesh((8,), ("expert",), "auto")
+    ep, one, rng = _layers(("expert",))
+    x, _ = _data()
+    params = _init(one, rng, x)
+    specs = bp.param_specs(params, [(".*", None)], mesh)  # forgot moe_ep_rules
+    f = jax.shard_map(
+        lambda p, x: ep(p, x)[0][0], mesh=mesh, in_specs=(specs, P("expert")), out_specs=P()
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"'net/moe/experts/(gate|up)' has local shape \(8, 8, 8\), expected \(1, 8, 8\)",
+    ):
+        jax.eval_shape(f, params, x)
+
+
+def test_ragged_dispatch_raises_naming_the_backend_on_cpu():
+    mesh = _mesh((8,), ("expert",), "auto")
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    ep = bp.ExpertParallelMoE(g / "moe", E, F, rng, token_axes="expert", dispatch="ragged")
+    _, one, rng1 = _layers(None)
+    x, _ = _data()
+    params = _init(one, rng1, x)
+    f = jax.shard_map(
+        lambda p, x: ep(p, x)[0][0],
+        mesh=mesh,
+        in_specs=(bp.param_specs(params, RULES, mesh), P("expert")),
+        out_specs=P("expert"),
+    )
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("the error is for backends without ragged_all_to_all")
+    with pytest.raises(ValueError, match=r"the 'cpu' backend does not implement.*'dense'"):
+        jax.eval_shape(f, params, x)
+
+
+# ---------------------------------------------------------------------------------------
+# ragged dispatch plan against a NumPy model of ragged_all_to_all
+
+
+def _numpy_ragged_all_to_all(operands, outputs, plans):
+    """The documented semantics, one device per list entry: device i sends
+    ``operand[input_offsets[s] : + send_sizes[s]]`` of slot s to device ``s // L``,
+    where it lands at ``output_offsets[s]`` (the sender's), ``recv_sizes`` rows."""
+    n = len(operands)
+    results = [o.copy() for o in outputs]
+    slots = len(plans[0][0])
+    per = slots // n
+    for i in range(n):
+        in_off, send, out_off, _ = (np.asarray(a) for a in plans[i])
+        for s in range(slots):
+            dst = s // per
+            rows = operands[i][in_off[s] : in_off[s] + send[s]]
+            results[dst][out_off[s] : out_off[s] + send[s]] = rows
+    # The receivers' recv_sizes agree with what was sent (the documented contract).
+    for j in range(n):
+        recv = np.asarray(plans[j][3])
+        for s in range(slots):
+            i, local = divmod(s, per)
+            assert recv[s] == np.asarray(plans[i][1])[j * per + local], (i, j, s)
+    return results
+
+
+@pytest.mark.parametrize("n, experts", [(4, 8), (2, 2), (8, 8)])
+def test_ragged_plan_delivers_rows_grouped_by_expert_and_back(n, experts):
+    r = np.random.default_rng(n + experts)
+    counts = r.integers(0, 4, (n, experts))
+    counts[0, :] = 0  # a device that sends nothing
+    local = experts // n
+    # Each device's rows, sorted by expert: (source, expert, index) labels.
+    operands = []
+    for i in range(n):
+        rows = [(i, e, j) for e in range(experts) for j in range(counts[i, e])]
+        operands.append(np.array(rows, np.int64).reshape(-1, 3))
+    cap = int(counts.sum())
+    plan = jax.jit(bp.ragged_dispatch_plan)  # one compile for every device index
+    plans = [plan(counts, me) for me in range(n)]
+    received = _numpy_ragged_all_to_all(
+        operands, [np.full((cap, 3), -1) for _ in range(n)], [p["dispatch"] for p in plans]
+    )
+    for j in range(n):
+        sizes = np.asarray(plans[j]["group_sizes"])
+        expected = [
+            (i, j * local + l_, k)
+            for l_ in range(local)
+            for i in range(n)
+            for k in range(counts[i, j * local + l_])
+        ]
+        got = received[j][: len(expected)]
+        np.testing.assert_array_equal(got, np.array(expected).reshape(-1, 3))
+        np.testing.assert_array_equal(sizes, counts[:, j * local : (j + 1) * local].sum(0))
+        assert np.all(received[j][len(expected) :] == -1)  # nothing else written
+    back = _numpy_ragged_all_to_all(
+        received,
+        [np.full_like(o, -1) for o in operands],
+        [p["combine"] for p in plans],
+    )
+    for i in range(n):
+        np.testing.assert_array_equal(back[i], operands[i])
