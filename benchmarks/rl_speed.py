@@ -478,15 +478,48 @@ def _loss_of(result):
 
 
 def sebulba_note(al) -> str | None:
-    """None when the example runs Sebulba (``--actor-devices``), else why the rows are
-    skipped."""
-    src = (ROOT / "examples" / "actor_learner.py").read_text()
-    if "--actor-devices" in src:
+    """None when the example runs Sebulba (its ``sebulba`` function), else why the rows
+    are skipped."""
+    if hasattr(al, "sebulba"):
         return None
     return (
-        "Sebulba: skipped, `examples/actor_learner.py` has no `--actor-devices` / "
-        "`--learner-devices` flags yet."
+        "Sebulba: skipped, `examples/actor_learner.py` has no `sebulba` layout "
+        "(`--actor-devices` / `--learner-devices`) yet."
     )
+
+
+ACTORS, LEARNERS = 1, 4
+SEBULBA_MIN_UPDATES = 3  # the first update compiles: at least two steady ones
+
+
+def sebulba_rows(al, cfg, updates: int) -> list[list[str]]:
+    """One Sebulba run per policy lag (``al.sebulba``: 1 actor device, 4 learner devices),
+    `updates` updates, waiting for each update's loss as the example's CLI does. The
+    first update includes compilation; the steady rate is over the updates after it."""
+    devices = jax.devices()
+    cfg = dataclasses.replace(cfg, num_updates=updates)
+    steps = cfg.num_envs * cfg.num_steps
+    rows = []
+    for lag in (0, 1):
+        t0 = time.perf_counter()
+        done = []
+        for _, metrics in al.sebulba(
+            cfg, 0, devices[:ACTORS], devices[ACTORS : ACTORS + LEARNERS], lag
+        ):
+            jax.block_until_ready(metrics["loss"])
+            done.append(time.perf_counter())
+        steady = (done[-1] - done[0]) / (len(done) - 1)
+        rows.append(
+            [
+                f"Sebulba, {ACTORS} actor + {LEARNERS} learner devices, policy lag {lag}, "
+                f"{cfg.num_envs} envs",
+                f"{done[0] - t0:.1f}",
+                f"{steady:.3f}",
+                f"{steps / steady:,.0f}",
+            ]
+        )
+        log(f"   sebulba lag {lag}: first update {done[0] - t0:.1f}s, {steady:.3f} s/update")
+    return rows
 
 
 # --------------------------------------------------------------------------- report
@@ -535,7 +568,7 @@ def anchor_lines() -> list[str]:
     ]
 
 
-def render(env, command, started, counts, quick, cfg, entries, pairs, checks, notes):
+def render(env, command, started, counts, quick, cfg, entries, pairs, checks, notes, seb):
     updates = cfg.num_updates
     by_name = {e.name: e for e in entries}
     header = ["workload", "blox s/call", "raw s/call", "blox env steps/s", "raw env steps/s"]
@@ -625,6 +658,40 @@ def render(env, command, started, counts, quick, cfg, entries, pairs, checks, no
             ),  # fmt: skip
             "",
         ]
+    if seb:
+        seb_updates = max(updates, SEBULBA_MIN_UPDATES)
+        anakin1 = next((e for e in entries if e.name == "anakin 1"), None)
+        per_update = ""
+        if anakin1 is not None:
+            p1 = next(p for p in pairs if p.denominator == "anakin 1")
+            per_update = (
+                f" For comparison, Anakin on 1 device above: {p1.den_us / 1e6 / updates:.3f} "
+                f"s/update ({anakin1.env_steps / (p1.den_us / 1e6):,.0f} env steps/s), "
+                "measured in the rounds, not beside these runs."
+            )
+        lines += [
+            "### Sebulba",
+            "",
+            "The example's `sebulba(cfg, seed, actor_devices, learner_devices, lag)`: the "
+            "actor (a `jax.jit` rollout) on simulated device 0, the learner (`shard_map` of "
+            "the same `learn`) on a mesh of devices 1-4; each update moves the rollout to "
+            "the learner mesh and pushes the weights back with `bp.place`, driven from "
+            "Python, waiting for each update's loss as the example's command line does. "
+            f"One run of {seb_updates} updates per lag, after the timed rounds; the first "
+            "update includes compiling (the generator builds its jitted functions per "
+            "run), the steady rate is over the updates after it." + per_update,
+            "",
+            _timing.format_table(
+                [
+                    "layout",
+                    "first update s (with compile)",
+                    "steady s/update",
+                    "steady env steps/s",
+                ],
+                seb,
+            ),  # fmt: skip
+            "",
+        ]
     lines += [
         "### Compile time (apart from the timed calls)",
         "",
@@ -679,9 +746,16 @@ def main(argv: list[str] | None = None) -> int:
     contenders = [Contender(e.name, e.call) for e in entries]
     results = _timing.run_rounds(contenders, *counts)
     pairs = _timing.compare_and_log(results, pairs)
+    seb = []
+    if dp and note is None:
+        base = al.SIZES["tiny"] if args.quick else al.SIZES["default"]
+        seb = sebulba_rows(al, base if args.quick else dataclasses.replace(base, num_envs=32),
+                           max(updates, SEBULBA_MIN_UPDATES))  # fmt: skip
     size = al.SIZES["tiny"] if args.quick else al.SIZES["default"]
     cfg = dataclasses.replace(size, num_updates=updates)
-    report = render(env, command, started, counts, args.quick, cfg, entries, pairs, checks, notes)
+    report = render(
+        env, command, started, counts, args.quick, cfg, entries, pairs, checks, notes, seb
+    )
     _timing.publish(report, args.out, "rl_speed")
     return 0
 
