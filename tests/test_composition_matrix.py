@@ -376,11 +376,17 @@ ERRORS: dict[tuple[str, str], tuple] = {
 # Cells that fail on today's tree: a defect whose fix has not landed (issue 34 items).
 # They are not run (not skipped: absent) until the fix lands; the doc lists them.
 PENDING: dict[tuple[str, str], str] = {
-    # Found by this matrix: pipeline_value_and_grad returns the pmax over the data shards
-    # of integer state that differs between them (s0 count 48, the larger shard's; the
-    # shards count 48 and 33, one device 81), where the DP and FSDP steps raise naming
-    # the leaf.
     **{("int_state", p): "defect: pmax" for p in ("dp_pp", "fsdp_pp", "dp_tp_pp")},
+}
+# What each pending label stands for (the observed and the expected numbers).
+DEFECTS = {
+    "defect: pmax": (
+        "found by this matrix: `pipeline_value_and_grad` with a `data_axis` returns the "
+        "`pmax` over the data shards of integer state that differs between them (the "
+        "`s0/tally/count` of the `dp_pp` cell comes back 48, the larger shard's count; "
+        "the shards count 48 and 33, one device 81), where the DP and FSDP steps raise "
+        "naming the leaf"
+    ),
 }
 
 CELLS = [
@@ -879,14 +885,22 @@ _DIFFER = """\
 * **BatchNorm without `axis_name`** normalizes each shard (and each microbatch) with
   its own statistics, so its loss and gradients are those of the per-shard runs, and
   its running statistics are the mean over the shards of each shard's one-device
-  statistics. `BatchNorm(axis_name='data')` would average the statistics over the
-  shards instead (`docs/parallel.md`); it is not a row here, because one device has no
-  `data` axis to bind.
+  statistics. `BatchNorm(axis_name='data')` averages the statistics over the shards
+  instead ([parallel.md](parallel.md)): its cells equal one device run over the global
+  microbatches, and where no `data` axis is bound (one device, a pipeline without a
+  data axis) the layer raises.
+* **Integer state that depends on the data** (a count of what a shard saw) differs
+  between the shards and cannot be averaged: the steps with a data axis raise, naming
+  the leaf. Integer state that advances the same on every shard (RNG counters, call
+  counts) comes back as on one device.
 * **Accumulation and pipeline microbatches** run the microbatches of a shard in order:
   BatchNorm sees one microbatch at a time, counters advance once per microbatch, and
   the loss is the mean (or the weighted mean) of the microbatch losses.
 * **An `Rng` left out of `rngs=`** on a data axis would draw the same masks on every
   shard: the steps raise, naming the `Rng` and `rngs=`.
+* **A shared `Rng` drawn by `first_fn` and `last_fn`** of a pipeline (which run on
+  different stages) advances its counter as one device does, both ends' draws counted
+  and no key drawn twice ([pipeline.md](pipeline.md)).
 """
 
 
@@ -914,6 +928,13 @@ def render_doc() -> str:
         out += [
             f"* `{name}` on {', '.join(f'`{p}`' for p in paths)}: `{exc.__name__}`, because {why}."
             for (name, exc, why), paths in errors.items()
+        ]
+    if PENDING:
+        out += ["", "Pending cells:", ""]
+        out += [
+            f"* {', '.join(f'`{f}` on `{p}`' for (f, p), v in PENDING.items() if v == label)}"
+            f": {DEFECTS[label]}."
+            for label in dict.fromkeys(PENDING.values())
         ]
     out += ["", _SAME, _DIFFER]
     return "\n".join(out).rstrip() + "\n"
