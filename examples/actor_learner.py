@@ -551,6 +551,22 @@ def _concat(rollouts: list[Rollout], device) -> Rollout:
     )
 
 
+@functools.cache
+def _sebulba_programs(cfg: Config, actor_devices: tuple, learner_devices: tuple) -> dict:
+    """The actor's and the learner's jitted functions and the learner mesh (kept, so
+    that runs of one process with the same layout compile once)."""
+    actor = build(cfg, actor_shards=len(actor_devices))
+    learner = build(dataclasses.replace(cfg, data_parallel=len(learner_devices)))
+    mesh = jax.make_mesh(
+        (len(learner_devices),),
+        (AXIS,),
+        devices=learner_devices,
+        axis_types=(jax.sharding.AxisType.Explicit,),
+    )
+    init, rollout = jax.jit(actor.init), jax.jit(actor.rollout)
+    return {"mesh": mesh, "init": init, "rollout": rollout, "learner": learner, "learn": None}
+
+
 def sebulba(cfg: Config, seed: int, actor_devices, learner_devices, lag: int):
     """Sebulba (Podracer): actors step their share of the environments on their own
     devices; the learner runs data-parallel (``shard_map``) on a mesh of other devices.
@@ -562,17 +578,9 @@ def sebulba(cfg: Config, seed: int, actor_devices, learner_devices, lag: int):
     from the params after n - 2 updates (the first two from the initial ones, as in
     cleanba). Yields ``(n, metrics)`` per update; ``metrics['actor_version']`` is the
     number of updates in the params that collected the trajectory."""
-    n_act = len(actor_devices)
-    actor = build(cfg, actor_shards=n_act)
-    learner = build(dataclasses.replace(cfg, data_parallel=len(learner_devices)))
-    mesh = jax.make_mesh(
-        (len(learner_devices),),
-        (AXIS,),
-        devices=learner_devices,
-        axis_types=(jax.sharding.AxisType.Explicit,),
-    )
-    e_a = cfg.num_envs // n_act
-    init, rollout = jax.jit(actor.init), jax.jit(actor.rollout)
+    progs = _sebulba_programs(cfg, tuple(actor_devices), tuple(learner_devices))
+    mesh, init, rollout = progs["mesh"], progs["init"], progs["rollout"]
+    e_a = cfg.num_envs // len(actor_devices)
     key = jax.random.key(seed)
     runners = [
         init(bp.place(key, dev), bp.place(jnp.arange(a * e_a, (a + 1) * e_a), dev))
@@ -586,17 +594,16 @@ def sebulba(cfg: Config, seed: int, actor_devices, learner_devices, lag: int):
         out = [rollout(r.params, r) for r in runners]
         return [r._replace(params=p) for p, r, _ in out], [ro for _, _, ro in out]
 
-    learn = None
     runners, rollouts = act(runners)
     for n in range(1, cfg.updates + 1):
         ro = _concat(rollouts, actor_devices[0])
         specs = rollout_specs(ro)
         ro = bp.place(ro, specs, mesh=mesh)  # the actors' trajectory onto the learner mesh
-        if learn is None:
-            learn = jax.jit(
-                jax.shard_map(learner.learn, mesh=mesh, in_specs=(P(), P(), specs), out_specs=P())
-            )
-        params, opt_state, metrics = learn(params, opt_state, ro)
+        if progs["learn"] is None:
+            learn = progs["learner"].learn
+            sm = jax.shard_map(learn, mesh=mesh, in_specs=(P(), P(), specs), out_specs=P())
+            progs["learn"] = jax.jit(sm)
+        params, opt_state, metrics = progs["learn"](params, opt_state, ro)
         if lag == 1 and n < cfg.updates:
             runners, rollouts = act(runners)  # overlaps the learner, previous weights
         weights, _ = params.split()

@@ -142,10 +142,15 @@ def test_devices_times_minibatches_must_divide_the_environments():
 KEYS = ("loss", "ratio_err", "return_sum", "episodes")
 
 
+def _rows(metrics, seed: int = 0) -> np.ndarray:
+    return np.stack([np.asarray(metrics[k])[:, seed] for k in KEYS], axis=1)
+
+
+@functools.cache
 def _one_device_metrics(cfg) -> np.ndarray:
     prog = al.program(cfg)
     _, metrics = prog.chunk(prog.init(al._seed_keys(0, 1)), cfg.updates)
-    return np.stack([np.asarray(metrics[k])[:, 0] for k in KEYS], axis=1)
+    return _rows(metrics)
 
 
 def _sebulba(cfg, lag) -> tuple[np.ndarray, list[int]]:
@@ -162,7 +167,7 @@ def test_anakin_8_devices_and_sebulba_at_lag_0_equal_one_device():
     one = _one_device_metrics(SMALL)
     prog = al.program(al.Config(**{**SMALL.__dict__, "data_parallel": 8}))
     _, metrics = prog.chunk(prog.init(al._seed_keys(0, 1)), SMALL.updates)
-    dp = np.stack([np.asarray(metrics[k])[:, 0] for k in KEYS], axis=1)
+    dp = _rows(metrics)
     np.testing.assert_allclose(dp, one, rtol=1e-5, atol=1e-6, err_msg="data-parallel 8")
     seb, versions = _sebulba(SMALL, 0)
     np.testing.assert_allclose(seb, one, rtol=1e-5, atol=1e-6, err_msg="Sebulba lag 0")
@@ -176,3 +181,15 @@ def test_sebulba_at_lag_1_trains_on_the_previous_version_bit_identically():
     again, _ = _sebulba(SMALL, 1)
     np.testing.assert_array_equal(first, again)
     assert first[0, 1] <= 1e-6 and np.all(first[1:, 1] > 1e-3), first  # off-policy
+
+
+def test_seeds_by_vmap_and_make_train_give_the_one_seed_run():
+    """`make_train` (the benchmark's entry point: the whole run under one jit) vmapped
+    over seeds 0 and 1, as ``--seeds 2`` runs them: seed 0's numbers are the one-seed
+    run's (`program`, another program), seed 1's differ."""
+    one = _one_device_metrics(SMALL)
+    runner, metrics = jax.vmap(al.make_train(SMALL))(al._seed_keys(0, 2))
+    metrics = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), metrics)  # [K, U] -> [U, K]
+    np.testing.assert_allclose(_rows(metrics, 0), one, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(_rows(metrics, 1), one), _rows(metrics, 1)
+    assert np.asarray(runner.update).tolist() == [SMALL.updates] * 2
