@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import blox as bx
+from tests.nn.layer_table import cast_floats, numpy_params
 from tests.tolerances import tol
 
 D, E, F, FS = 6, 4, 8, 5
@@ -41,8 +42,8 @@ def _x(n_batch=3, t=5, seed=0, dtype=jnp.float32):
 
 
 def _init(moe, rng, x):
-    _, params = moe(rng.seed(bx.Params(), seed=1), x)
-    return params.locked()
+    """The layer's params filled with NumPy normals (no initializer compiled)."""
+    return numpy_params(moe, rng.seed(bx.Params(), seed=1), x).locked()
 
 
 def _weights(params, prefix):
@@ -97,6 +98,17 @@ def _reference(arrays, x, *, k, score, normalize, gated, keep=None, bias=None):
     return y.reshape(x.shape), balance, z, load
 
 
+def _jit_reference(arrays, x, **kw):
+    """`_reference` compiled as one program (eager, every op would compile alone)."""
+    keep, bias = kw.pop("keep", None), kw.pop("bias", None)
+    keep = None if keep is None else np.asarray(keep, np.float32)
+
+    def f(arrays, x, keep, bias):
+        return _reference(arrays, x, keep=keep, bias=bias, **kw)
+
+    return jax.jit(f)(arrays, x, keep, bias)
+
+
 CASES = [
     dict(score="softmax", k=1, shared=False, normalize=False, gated=True),
     dict(score="softmax", k=2, shared=True, normalize=True, gated=True),
@@ -145,10 +157,12 @@ def _both_grads(moe, params, x, case):
         return jnp.sum(y * r) + BW * bal + ZW * z, (y, bal, z, load)
 
     grad = functools.partial(jax.value_and_grad, argnums=(0, 1), has_aux=True)
+
+    def both(train, x):  # one program: one compilation
+        return grad(layer_loss)(train, x), grad(ref_loss)(train, x)
+
     with jax.default_matmul_precision("highest"):
-        got = jax.jit(grad(layer_loss))(train, x)
-        want = jax.jit(grad(ref_loss))(train, x)
-    return got, want
+        return jax.jit(both)(train, x)
 
 
 def _close(a, b, what, dtype=jnp.float32):
@@ -204,14 +218,14 @@ def test_bfloat16_params_and_inputs_match_the_reference_at_the_bf16_tolerance():
     moe, rng = _case_layer(case)
     x = _x()
     params = _init(moe, rng, x)
-    p16 = jax.tree.map(lambda v: v.astype(jnp.bfloat16), params)
-    x16 = x.astype(jnp.bfloat16)
+    p16 = cast_floats(params, jnp.bfloat16)
+    x16 = jnp.asarray(np.asarray(x).astype(jnp.bfloat16))
     (y, aux), _ = jax.jit(moe)(p16, x16)
     assert y.dtype == jnp.bfloat16 and aux["loss"].dtype == jnp.float32
     # The reference in float32 from the same bf16-rounded values.
-    ref = jax.tree.map(lambda v: v.astype(jnp.float32), p16.arrays())
+    ref = {k: np.asarray(v, np.float32) for k, v in p16.arrays().items()}
     with jax.default_matmul_precision("highest"):
-        ry, *_ = _reference(
+        ry, *_ = _jit_reference(
             ref,
             x16.astype(jnp.float32),
             k=2,
@@ -283,7 +297,7 @@ def test_capacity_dispatch_equals_the_hand_table(groups, capacity, keep, slots):
     params = params.locked()
     with jax.default_matmul_precision("highest"):
         (y, aux), _ = jax.jit(moe)(params, x)
-        ry, *_ = _reference(
+        ry, *_ = _jit_reference(
             params.arrays(), x, k=2, score="softmax", normalize=False, gated=True, keep=keep
         )
     _close(y, ry, "y with the hand table's drops")
@@ -350,20 +364,21 @@ def test_the_routing_bias_chooses_experts_but_never_weights_them():
     params = _init(moe, rng, x)
     bias_path = ("net", "moe", "router", "bias")
     assert not params[bias_path].trainable
-    (y0, _), _ = moe(params, x)
+    call = jax.jit(moe)
+    (y0, _), _ = call(params, x)
     # A large bias on expert 3 sends every token there; its gate stays its score.
     biased = params.unlocked()
     biased[bias_path] = bx.Param(jnp.asarray([0.0, 0.0, 0.0, 10.0]), trainable=False)
     biased = biased.locked()
     xt = x.reshape(-1, D)
-    (experts, gates, logits), _ = moe.route(biased, xt)
+    (experts, gates, logits), _ = jax.jit(moe.route)(biased, xt)
     np.testing.assert_array_equal(np.asarray(experts), 3)
     np.testing.assert_allclose(
         np.asarray(gates[:, 0]), np.asarray(jax.nn.softmax(logits, -1)[:, 3]), rtol=1e-6
     )
     with jax.default_matmul_precision("highest"):
-        (y, aux), _ = moe(biased, x)
-        ry, *_ = _reference(
+        (y, aux), _ = call(biased, x)
+        ry, *_ = _jit_reference(
             biased.arrays(),
             x,
             k=1,
@@ -383,7 +398,8 @@ def test_the_routing_bias_chooses_experts_but_never_weights_them():
         (y, aux), _ = moe(p.locked(), x)
         return jnp.sum(y) + aux["loss"]
 
-    np.testing.assert_array_equal(np.asarray(jax.grad(f)(biased[bias_path].value)), 0.0)
+    grad = jax.jit(jax.grad(f))(biased[bias_path].value)
+    np.testing.assert_array_equal(np.asarray(grad), 0.0)
 
 
 def test_update_bias_has_the_formula_sign_and_zero_mean_and_changes_only_the_bias():
@@ -391,7 +407,8 @@ def test_update_bias_has_the_formula_sign_and_zero_mean_and_changes_only_the_bia
     params = _init(moe, rng, _x())
     load = jnp.asarray([5.0, 1.0, 1.0, 1.0])  # mean 2: expert 0 overloaded
     new = moe.update_bias(params, load, rate=0.1)
-    bias = np.asarray(new[("net", "moe", "router", "bias")].value)
+    bias0 = np.asarray(params[("net", "moe", "router", "bias")].value)
+    bias = np.asarray(new[("net", "moe", "router", "bias")].value) - bias0
     # sign(mean - load) = [-1, 1, 1, 1], centred: minus its mean 0.5.
     np.testing.assert_allclose(bias, 0.1 * np.array([-1.5, 0.5, 0.5, 0.5]), rtol=1e-6)
     assert abs(bias.sum()) < 1e-7
@@ -402,7 +419,8 @@ def test_update_bias_has_the_formula_sign_and_zero_mean_and_changes_only_the_bia
     assert not new[("net", "moe", "router", "bias")].trainable
     # A balanced load leaves the bias unchanged.
     same = moe.update_bias(params, jnp.full((E,), 3.0), rate=0.1)
-    np.testing.assert_array_equal(np.asarray(same[("net", "moe", "router", "bias")].value), 0.0)
+    path = ("net", "moe", "router", "bias")
+    np.testing.assert_array_equal(np.asarray(same[path].value), np.asarray(params[path].value))
 
 
 def test_update_bias_errors_name_the_layer():

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import blox as bx
 from blox import parallel as bp
+from tests.nn.layer_table import numpy_params
 
 D, E, F = 8, 8, 8
 B, T = 16, 4  # 64 tokens: 8 per device on 8 devices
@@ -53,10 +54,11 @@ def _data(seed=0):
 
 
 def _init(one, rng, x):
-    def init(p, x):
-        return one(p, x)[1]
-
-    return jax.jit(init)(rng.seed(bx.Params(), seed=0), x).locked()
+    """The layer's params filled with NumPy normals (no initializer compiled); the
+    routing bias starts at zero."""
+    params = numpy_params(one, rng.seed(bx.Params(), seed=0), x).unlocked()
+    params[("net", "moe", "router", "bias")] = bx.Param(jnp.zeros((E,)), trainable=False)
+    return params.locked()
 
 
 def _loss_fn(layer):
