@@ -201,7 +201,7 @@ class Rollout(NamedTuple):
     traj: Transition  # [T, E]
     hidden0: Any  # the recurrent state at the rollout's start [E, H]
     last_value: jax.Array  # [E] the value of the observation after the rollout
-    shuffle_key: jax.Array  # the learner's minibatch key, drawn by the actor
+    shuffle_key: jax.Array  # the learner's minibatch key (raw uint32), drawn by the actor
     version: jax.Array  # the params version the actor used
 
 
@@ -330,6 +330,7 @@ def build(cfg: Config, *, actor_shards: int | None = None) -> Parts:
         # The statistics move only now: the whole rollout was normalized as of its start.
         params = agent.obs_norm.update(params, traj.obs)
         shuffle_key, params = rng(params)
+        shuffle_key = jax.random.key_data(shuffle_key)  # raw: checkpointable
         out = Rollout(traj, runner.hidden, last_value, shuffle_key, runner.update)
         runner = runner._replace(
             env_state=env_state, obs=obs, done=done, hidden=state, ep_return=ep_return
@@ -410,7 +411,8 @@ def build(cfg: Config, *, actor_shards: int | None = None) -> Parts:
             return (train, opt_state), (loss, ratio_err)
 
         def epoch(carry, k):
-            perm = jax.random.permutation(jax.random.fold_in(ro.shuffle_key, k), e)
+            key = jax.random.wrap_key_data(ro.shuffle_key)
+            perm = jax.random.permutation(jax.random.fold_in(key, k), e)
             return jax.lax.scan(minibatch, carry, perm.reshape(m, mb))
 
         (train, opt_state), (losses, ratio_errs) = jax.lax.scan(
@@ -567,35 +569,53 @@ def _sebulba_programs(cfg: Config, actor_devices: tuple, learner_devices: tuple)
     return {"mesh": mesh, "init": init, "rollout": rollout, "learner": learner, "learn": None}
 
 
-def sebulba(cfg: Config, seed: int, actor_devices, learner_devices, lag: int):
-    """Sebulba (Podracer): actors step their share of the environments on their own
-    devices; the learner runs data-parallel (``shard_map``) on a mesh of other devices.
-    After each update the learner's weights are pushed to every actor device
-    (``bp.place``), where they are merged into the actor's own params (its Rng counter
-    and observation statistics stay the actor's). With ``lag=1`` the actor's next
-    rollout is dispatched *before* the push, so it runs with the previous weights while
-    the learner trains (JAX dispatches asynchronously): the trajectory of update n comes
-    from the params after n - 2 updates (the first two from the initial ones, as in
-    cleanba). Yields ``(n, metrics)`` per update; ``metrics['actor_version']`` is the
-    number of updates in the params that collected the trajectory."""
+def sebulba_start(cfg: Config, seed: int, actor_devices, learner_devices) -> dict:
+    """The state of a Sebulba run before its first update (also the structure a
+    checkpoint restores into): the learner's params and optimizer state on its mesh, each
+    actor's `Runner` on its device, the actors' first rollouts, and ``n``, the updates
+    done."""
     progs = _sebulba_programs(cfg, tuple(actor_devices), tuple(learner_devices))
-    mesh, init, rollout = progs["mesh"], progs["init"], progs["rollout"]
+    mesh, init = progs["mesh"], progs["init"]
     e_a = cfg.num_envs // len(actor_devices)
     key = jax.random.key(seed)
     runners = [
         init(bp.place(key, dev), bp.place(jnp.arange(a * e_a, (a + 1) * e_a), dev))
         for a, dev in enumerate(actor_devices)
     ]
-    # The learner's copy of the params (the same initial weights), replicated on its mesh.
-    params = bp.place(runners[0].params, mesh)
-    opt_state = bp.place(runners[0].opt_state, mesh)
+    runners, rollouts = _act(progs, runners)
+    return {
+        # the learner's copy of the params (the same initial weights), on its mesh
+        "params": bp.place(runners[0].params, mesh),
+        "opt_state": bp.place(runners[0].opt_state, mesh),
+        "runners": runners,
+        "rollouts": rollouts,  # the next update's trajectory, already collected
+        "n": np.zeros((), np.int32),
+    }
 
-    def act(runners):
-        out = [rollout(r.params, r) for r in runners]
-        return [r._replace(params=p) for p, r, _ in out], [ro for _, _, ro in out]
 
-    runners, rollouts = act(runners)
-    for n in range(1, cfg.updates + 1):
+def _act(progs: dict, runners: list[Runner]):
+    out = [progs["rollout"](r.params, r) for r in runners]
+    return [r._replace(params=p) for p, r, _ in out], [ro for _, _, ro in out]
+
+
+def sebulba(cfg: Config, state: dict, actor_devices, learner_devices, lag: int):
+    """Sebulba (Podracer) from `state` (`sebulba_start` or a restored checkpoint):
+    actors step their share of the environments on their own devices; the learner runs
+    data-parallel (``shard_map``) on a mesh of other devices. After each update the
+    learner's weights are pushed to every actor device (``bp.place``), where they are
+    merged into the actor's own params (its Rng counter and observation statistics stay
+    the actor's). With ``lag=1`` the actor's next rollout is dispatched *before* the
+    push, so it runs with the previous weights while the learner trains (JAX dispatches
+    asynchronously): the trajectory of update n comes from the params after n - 2
+    updates (the first two from the initial ones, as in cleanba). Yields ``(n, metrics,
+    state)`` per update; ``metrics['actor_version']`` is the number of updates in the
+    params that collected the trajectory, and `state` holds everything the next update
+    needs (at lag 1 the rollout collected with the previous weights included)."""
+    progs = _sebulba_programs(cfg, tuple(actor_devices), tuple(learner_devices))
+    mesh = progs["mesh"]
+    params, opt_state = state["params"], state["opt_state"]
+    runners, rollouts = state["runners"], state["rollouts"]
+    for n in range(int(state["n"]) + 1, cfg.updates + 1):
         ro = _concat(rollouts, actor_devices[0])
         specs = rollout_specs(ro)
         ro = bp.place(ro, specs, mesh=mesh)  # the actors' trajectory onto the learner mesh
@@ -605,7 +625,7 @@ def sebulba(cfg: Config, seed: int, actor_devices, learner_devices, lag: int):
             progs["learn"] = jax.jit(sm)
         params, opt_state, metrics = progs["learn"](params, opt_state, ro)
         if lag == 1 and n < cfg.updates:
-            runners, rollouts = act(runners)  # overlaps the learner, previous weights
+            runners, rollouts = _act(progs, runners)  # overlaps the learner: old weights
         weights, _ = params.split()
         runners = [  # the push: the learner's weights into each actor's own params
             r._replace(
@@ -615,8 +635,15 @@ def sebulba(cfg: Config, seed: int, actor_devices, learner_devices, lag: int):
             for r, dev in zip(runners, actor_devices, strict=True)
         ]
         if lag == 0 and n < cfg.updates:
-            runners, rollouts = act(runners)
-        yield n, metrics
+            runners, rollouts = _act(progs, runners)
+        state = {
+            "params": params,
+            "opt_state": opt_state,
+            "runners": runners,
+            "rollouts": rollouts,
+            "n": np.asarray(n, np.int32),
+        }
+        yield n, metrics, state
 
 
 # --------------------------------------------------------------------------- main
@@ -718,21 +745,36 @@ def _main_sebulba(args, cfg: Config) -> dict[str, Any]:
             f"--actor-devices {a} --learner-devices {l_} needs {a + l_} devices, found "
             f"{len(devices)}; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8."
         )
-    if args.seeds != 1 or args.ckpt_dir is not None or args.data_parallel != 1:
-        raise SystemExit("Sebulba runs one seed, without --ckpt-dir or --data-parallel.")
+    if args.seeds != 1 or args.data_parallel != 1:
+        raise SystemExit("Sebulba runs one seed, without --data-parallel.")
     history = {
         k: np.zeros((cfg.updates, 1), np.float32)
         for k in ("loss", "ratio_err", "return_sum", "episodes")
     }
     t0 = time.perf_counter()
-    run = sebulba(cfg, args.seed, devices[:a], devices[a : a + l_], args.policy_lag)
-    for n, metrics in run:
-        m = jax.device_get(metrics)
-        row = [float(m["loss"]), float(m["ratio_err"]), float(m["return_sum"])]
-        _print_update(n, *row, float(m["episodes"]))
-        print(f"update={n} actor_version={int(m['actor_version']) + 1}", flush=True)
-        for k in history:
-            history[k][n - 1] = m[k]
+    actors, learners = devices[:a], devices[a : a + l_]
+    state = sebulba_start(cfg, args.seed, actors, learners)
+    with contextlib.ExitStack() as stack:
+        mngr = None
+        if args.ckpt_dir is not None:
+            mngr = stack.enter_context(
+                bx.ckpt.CheckpointManager(args.ckpt_dir, save_every=args.save_every or cfg.updates)
+            )
+            if mngr.latest_step() is not None:  # into the same devices and mesh
+                restored = mngr.restore({"state": state, "history": history})
+                state = restored["state"]
+                history = {k: np.array(v) for k, v in restored["history"].items()}
+                print(f"resumed from update {int(state['n'])} of {args.ckpt_dir}", flush=True)
+        run = sebulba(cfg, state, actors, learners, args.policy_lag)
+        for n, metrics, now in run:
+            m = jax.device_get(metrics)
+            row = [float(m["loss"]), float(m["ratio_err"]), float(m["return_sum"])]
+            _print_update(n, *row, float(m["episodes"]))
+            print(f"update={n} actor_version={int(m['actor_version']) + 1}", flush=True)
+            for k in history:
+                history[k][n - 1] = m[k]
+            if mngr is not None:
+                mngr.save(n, {"state": now, "history": history})
     return _report(args, cfg, history, cfg.updates, time.perf_counter() - t0, t0)
 
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import blox as bx
 from tests.rl.examples import load
 
 al = load("actor_learner")
@@ -153,13 +154,19 @@ def _one_device_metrics(cfg) -> np.ndarray:
     return _rows(metrics)
 
 
-def _sebulba(cfg, lag) -> tuple[np.ndarray, list[int]]:
-    devices = jax.devices()
+def _sebulba(cfg, lag, state=None, ckpt=None) -> tuple[np.ndarray, list[int]]:
+    """Sebulba on 1 actor device and 4 learner devices: the metrics per update, the
+    versions; with `ckpt` (a CheckpointManager) the state is saved after each update."""
+    actors, learners = jax.devices()[:1], jax.devices()[1:5]
+    if state is None:
+        state = al.sebulba_start(cfg, 0, actors, learners)
     rows, versions = [], []
-    for _, m in al.sebulba(cfg, 0, devices[:1], devices[1:5], lag):
+    for n, m, now in al.sebulba(cfg, state, actors, learners, lag):
         m = jax.device_get(m)
         rows.append([float(m[k]) for k in KEYS])
         versions.append(int(m["actor_version"]) + 1)
+        if ckpt is not None:
+            ckpt.save(n, now)
     return np.array(rows), versions
 
 
@@ -175,12 +182,25 @@ def test_anakin_8_devices_and_sebulba_at_lag_0_equal_one_device():
     assert np.all(one[:, 1] <= 1e-6) and np.all(one[:, 3] > 0), one
 
 
-def test_sebulba_at_lag_1_trains_on_the_previous_version_bit_identically():
-    first, versions = _sebulba(SMALL, 1)
+def test_sebulba_at_lag_1_trains_on_the_previous_version_and_resumes_bit_identically(
+    tmp_path,
+):
+    """Two lag-1 runs are bit-identical; a run restored from the checkpoint of update 1
+    (learner params and optimizer state, the actor's runner, the rollout collected with
+    the previous weights) continues with the same bits."""
+    with bx.ckpt.CheckpointManager(tmp_path, save_every=1) as mngr:
+        first, versions = _sebulba(SMALL, 1, ckpt=mngr)
     assert versions == [1, 1, 2], versions  # update n: version n - 1 (1: the initial)
     again, _ = _sebulba(SMALL, 1)
     np.testing.assert_array_equal(first, again)
     assert first[0, 1] <= 1e-6 and np.all(first[1:, 1] > 1e-3), first  # off-policy
+    target = al.sebulba_start(SMALL, 0, jax.devices()[:1], jax.devices()[1:5])
+    with bx.ckpt.CheckpointManager(tmp_path) as mngr:
+        state = mngr.restore(target, step=1)
+    assert int(state["n"]) == 1
+    resumed, versions = _sebulba(SMALL, 1, state=state)
+    assert versions == [1, 2], versions
+    np.testing.assert_array_equal(resumed, first[1:])
 
 
 def test_seeds_by_vmap_and_make_train_give_the_one_seed_run():
