@@ -315,6 +315,13 @@ class ExpertParallelMoE(MoE):
 
     # -- ragged dispatch -----------------------------------------------------------------
 
+    def _varying(self, buf: jax.Array) -> jax.Array:
+        """An output buffer typed as varying over the expert axis (what
+        ``ragged_all_to_all`` writes into it differs per device)."""
+        if self.axis in varying_axes(buf):
+            return buf
+        return jax.lax.pcast(buf, (self.axis,), to="varying")
+
     def _dropless(self, w, xt, experts, gates, cd, precision):
         if not self._manual():
             return super()._dropless(w, xt, experts, gates, cd, precision)
@@ -327,7 +334,7 @@ class ExpertParallelMoE(MoE):
         plan = ragged_dispatch_plan(counts, jax.lax.axis_index(self.axis))
         size = self._size()
         # The worst case: every device sends all its rows here.
-        recv = jnp.zeros((size * n * k, xs.shape[-1]), xs.dtype)
+        recv = self._varying(jnp.zeros((size * n * k, xs.shape[-1]), xs.dtype))
         recv = jax.lax.ragged_all_to_all(xs, recv, *plan["dispatch"], axis_name=self.axis)
 
         def mm(a, b):
@@ -335,7 +342,7 @@ class ExpertParallelMoE(MoE):
 
         ys = self._ffn(w, recv, cd, precision, mm)
         back = jax.lax.ragged_all_to_all(
-            ys, jnp.zeros_like(xs), *plan["combine"], axis_name=self.axis
+            ys, self._varying(jnp.zeros_like(xs)), *plan["combine"], axis_name=self.axis
         )
         out = jnp.zeros_like(back).at[order].set(back, unique_indices=True)
         y = jnp.sum(out.reshape(n, k, -1) * gates.astype(cd)[..., None], axis=1)

@@ -283,3 +283,53 @@ def test_ragged_plan_delivers_rows_grouped_by_expert_and_back(n, experts):
     )
     for i in range(n):
         np.testing.assert_array_equal(back[i], operands[i])
+
+
+def _ragged_step(mesh):
+    """A gradient step of a dropless layer with ``dispatch='ragged'`` and of the same
+    layer with dense dispatch, as functions of (params, x, target)."""
+    out = []
+    for dispatch in ("ragged", "dense"):
+        g = bx.Graph("net")
+        ep = bp.ExpertParallelMoE(
+            g / "moe", E, F, bx.Rng(g / "rng"), top_k=2, token_axes="expert", dispatch=dispatch
+        )
+        grad_fn = bp.ep_value_and_grad(_loss_fn(ep), data_axes=None, has_aux=True)
+        out.append(lambda p, x, t, grad_fn=grad_fn: grad_fn(p, x, t)[:2])
+    return out
+
+
+def test_ragged_dispatch_traces_and_equals_dense_where_the_backend_has_it(monkeypatch):
+    """On XLA:CPU the ragged program is traced and lowered (forward and gradient: shapes,
+    offsets, the collectives' transposes), not compiled; on a backend with
+    ragged_all_to_all it runs and equals dense dispatch."""
+    mesh = _mesh((8,), ("expert",), "auto")
+    _, one, rng = _layers(None)
+    x, target = _data()
+    params = _init(one, rng, x)
+    specs = bp.param_specs(params, RULES, mesh)
+    ragged, dense = (
+        jax.jit(
+            jax.shard_map(
+                f,
+                mesh=mesh,
+                in_specs=(specs, P("expert"), P("expert")),
+                out_specs=((P(), P()), specs.split()[0]),
+            )
+        )
+        for f in _ragged_step(mesh)
+    )
+    runs = jax.devices()[0].platform != "cpu"
+    if not runs:
+        monkeypatch.setattr(bp._expert, "_ragged_supported", lambda platform: True)
+        text = ragged.lower(params, x, target).as_text()
+        # Dispatch, combine, and combine's transpose (the tokens themselves are not
+        # differentiated, so dispatch needs none).
+        assert text.count("ragged_all_to_all") == 3
+        return
+    with jax.default_matmul_precision("highest"):
+        (loss_r, _), g_r = ragged(params, x, target)
+        (loss_d, _), g_d = dense(params, x, target)
+    np.testing.assert_allclose(float(loss_r), float(loss_d), rtol=1e-5)
+    for path, v in g_d.arrays().items():
+        np.testing.assert_allclose(np.asarray(g_r[path].value), np.asarray(v), rtol=1e-5, atol=1e-6)
