@@ -4,6 +4,10 @@
     python examples/actor_learner.py                          # PureJaxRL's run: 5e5 steps
     python examples/actor_learner.py --seeds 5                # seeds 0-4 in one program
     python examples/actor_learner.py --size tiny --data-parallel 8    # Anakin over 8 devices
+    python examples/actor_learner.py --size tiny --actor-devices 1 --learner-devices 4 \
+        --policy-lag 1                                        # Sebulba, one version behind
+
+(more devices than the machine has: XLA_FLAGS=--xla_force_host_platform_device_count=8)
 
 PureJaxRL's ``ppo_rnn.py`` shape, written with blox (see docs/rl.md): the environment
 (``cartpole.py`` beside this file) and the agent run in one jitted program, ``jax.vmap``
@@ -33,7 +37,12 @@ Layouts: one device by default; ``--data-parallel D`` runs Anakin over D devices
 ``jax.shard_map`` (the environments split over them; keys fold the global environment
 index, the minibatch permutation is over all environments, each minibatch loss is the
 global mean, so the lines equal the one-device run's up to float rounding).
-``--ckpt-dir/--save-every`` checkpoint the whole run state and resume it.
+``--actor-devices A --learner-devices L --policy-lag 0|1`` runs Sebulba: actors on the
+first A devices, the learner data-parallel on the next L, weights pushed to the actors
+after each update (lag 1: the next rollout runs on the previous weights while the
+learner trains); it also prints ``update=<n> actor_version=<v>`` (versions count from 1,
+the initial params). ``--ckpt-dir/--save-every`` checkpoint the whole run state and
+resume it; ``--curve FILE`` writes each seed's returns (docs/rl.md's plot).
 
 `make_train(cfg)` returns ``train(key)``, the whole one-device training under one
 ``jax.jit`` (benchmarks/rl_speed.py times it).
@@ -766,8 +775,13 @@ def _main_sebulba(args, cfg: Config) -> dict[str, Any]:
                 history = {k: np.array(v) for k, v in restored["history"].items()}
                 print(f"resumed from update {int(state['n'])} of {args.ckpt_dir}", flush=True)
         run = sebulba(cfg, state, actors, learners, args.policy_lag)
+        t1, timed = None, 0  # timed from the end of the first update (its compile)
         for n, metrics, now in run:
             m = jax.device_get(metrics)
+            if t1 is None:
+                t1 = time.perf_counter()
+            else:
+                timed += 1
             row = [float(m["loss"]), float(m["ratio_err"]), float(m["return_sum"])]
             _print_update(n, *row, float(m["episodes"]))
             print(f"update={n} actor_version={int(m['actor_version']) + 1}", flush=True)
@@ -775,7 +789,7 @@ def _main_sebulba(args, cfg: Config) -> dict[str, Any]:
                 history[k][n - 1] = m[k]
             if mngr is not None:
                 mngr.save(n, {"state": now, "history": history})
-    return _report(args, cfg, history, cfg.updates, time.perf_counter() - t0, t0)
+    return _report(args, cfg, history, timed, time.perf_counter() - (t1 or t0), t0)
 
 
 def _report(args, cfg: Config, history, ran_here: int, run_s: float, t0: float):
