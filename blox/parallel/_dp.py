@@ -50,13 +50,13 @@ _BAD_RETURN = (
 
 
 _HOST_BATCH = (
-    "make_dp_train_step: batch leaf {leaf} is {what}, but the mesh spans {n} processes. "
+    "{where}: batch leaf {leaf} is {what}, but the mesh spans {n} processes. "
     "Each process would pass its own rows where the step expects the global batch, and "
     "the step would train on another batch without an error. Assemble the global batch "
     "from every process's rows with blox.distributed.global_batch first:\n"
     "    batch = blox.distributed.global_batch(\n"
     "        local_rows, NamedSharding(mesh, P({axis!r})), global_batch_size)\n"
-    "    params, opt_state, metrics = step(params, opt_state, *batch)"
+    "and pass that global array to the step in place of the local rows."
 )
 
 
@@ -94,9 +94,11 @@ def _process_local(leaf: Any) -> str | None:
     return None
 
 
-def _check_global_batch(batch: Any, mesh: Mesh, axis: str) -> None:
+def _check_global_batch(
+    batch: Any, mesh: Mesh, axis: str, where: str = "make_dp_train_step"
+) -> None:
     """With a mesh over several processes, refuses batch leaves that hold one process's
-    rows (see `_process_local`)."""
+    rows (see `_process_local`); the message names `where`, the step's builder."""
     n = len({d.process_index for d in mesh.devices.flat})
     if n < 2:
         return
@@ -104,7 +106,7 @@ def _check_global_batch(batch: Any, mesh: Mesh, axis: str) -> None:
         what = _process_local(leaf)
         if what is not None:
             name = f"batch{jax.tree_util.keystr(kp)}"
-            raise ValueError(_HOST_BATCH.format(leaf=name, what=what, n=n, axis=axis))
+            raise ValueError(_HOST_BATCH.format(where=where, leaf=name, what=what, n=n, axis=axis))
 
 
 def _unpack(out: Any, has_aux: bool, where: str) -> tuple[jax.Array, Any, Params]:
@@ -724,7 +726,7 @@ def sharded_train_step(
     if not isinstance(params, Params):
         raise TypeError(f"{where}: params must be bx.Params, got {type(params).__name__}.")
     check_placement((params, opt_state, batch), where)
-    _check_global_batch(batch, mesh, axis)
+    _check_global_batch(batch, mesh, axis, where)
     _check_batch_rows(batch, mesh.shape[axis], microbatches, axis, where)
     _check_param_layout(params, specs, mesh, where)
     trainable, _ = params.split(predicate)

@@ -1378,7 +1378,7 @@ def pipeline_value_and_grad(
             where, stage_params, shared_params, inputs, targets, (p, v), stage_axis, m, dp
         )
         # A multi-process mesh takes global arrays only (DP's check and message).
-        _check_global_batch((inputs, targets), mesh, data_axis)
+        _check_global_batch((inputs, targets), mesh, data_axis, where)
         for r in rngs:
             if r.param_path("seed") not in stage_params and r.param_path("seed") not in (
                 shared_params

@@ -29,5 +29,7 @@ def test_host_rows_are_refused_and_the_global_batch_trains_across_two_processes(
             assert msg is not None, f"rank {rank}: {how} was not refused"
             assert "blox.distributed.global_batch" in msg, msg
             assert "batch[0]" in msg and "spans 2 processes" in msg, msg
+            builder = "make_fsdp_train_step" if how.startswith("fsdp") else "make_dp_train_step"
+            assert msg.startswith(builder + ":"), msg
         np.testing.assert_allclose(got["loss"], got["ref_loss"], rtol=1e-5)
         np.testing.assert_allclose(got["kernel"], got["ref_kernel"], rtol=1e-5, atol=1e-6)

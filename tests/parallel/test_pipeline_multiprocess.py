@@ -56,3 +56,4 @@ def test_two_processes_equal_one_process():
         ]
         assert msg is not None and "blox.distributed.global_batch" in msg, msg
         assert "batch[0]" in msg and "spans 2 processes" in msg, msg
+        assert msg.startswith("pipeline_value_and_grad:"), msg
