@@ -65,11 +65,23 @@ def _grouped_fwd(lhs, rhs, sizes):
     return _ragged(lhs, rhs, sizes), (lhs, rhs, sizes)
 
 
+def _like(g: jax.Array, primal: jax.Array) -> jax.Array:
+    """A cotangent summed over the manual axes it varies over and its primal does not
+    (inside ``shard_map``: the transpose of the implicit broadcast of, e.g., replicated
+    weights), in the primal's dtype."""
+    from blox.parallel._mesh import varying_axes  # blox.parallel imports blox.nn
+
+    extra = tuple(sorted(varying_axes(g) - varying_axes(primal)))
+    if extra:
+        g = jax.lax.psum(g, extra)
+    return g.astype(primal.dtype)
+
+
 def _grouped_bwd(res, ct):
     lhs, rhs, sizes = res
-    d_lhs = _ragged(ct, jnp.swapaxes(rhs, 1, 2), sizes).astype(lhs.dtype)
-    d_rhs = _ragged_rhs_grad(lhs, ct, sizes).astype(rhs.dtype)
-    return d_lhs, d_rhs, None
+    d_lhs = _ragged(ct, jnp.swapaxes(rhs, 1, 2), sizes)
+    d_rhs = _ragged_rhs_grad(lhs, ct, sizes)
+    return _like(d_lhs, lhs), _like(d_rhs, rhs), None
 
 
 grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)

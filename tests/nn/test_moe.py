@@ -442,3 +442,31 @@ def test_constructor_errors_name_the_layer():
         bx.MoE(g / "b", 4, 8, None, score="relu")
     with pytest.raises(ValueError, match=r"MoE 'net/c': capacity_factor must be None"):
         bx.MoE(g / "c", 4, 8, None, capacity_factor=0.0)
+
+
+def test_plain_grad_inside_shard_map_with_replicated_params_equals_one_device():
+    """``jax.grad`` inside ``shard_map`` over replicated (``P()``) params: the grouped
+    matmul's hand-written VJP sums the weight gradient over the data axis (the transpose
+    of the implicit broadcast), as autodiff does for every other op."""
+    moe, rng = _build(top_k=2)
+    x = _x(n_batch=4, t=2)
+    train, rest = _init(moe, rng, x).split()
+    mesh = jax.make_mesh(
+        (4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4]
+    )
+
+    def loss(t, x):
+        (y, aux), _ = moe(t.merge(rest), x)
+        return jnp.sum(y * y) + aux["loss"]
+
+    def per_shard(t, x):
+        return jax.grad(lambda t: jax.lax.psum(loss(t, x), "data"))(t)
+
+    P = jax.sharding.PartitionSpec
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(
+            jax.shard_map(per_shard, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+        )(train, x)
+        want = jax.jit(jax.grad(lambda t: sum(loss(t, x[i : i + 1]) for i in range(4))))(train)
+    for path, v in want.arrays().items():
+        _close(got.arrays()[path], v, "/".join(path))
