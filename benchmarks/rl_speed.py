@@ -564,8 +564,17 @@ def anchor_lines() -> list[str]:
         "",
         f"Final return: {a['final_definition']}. The JSON holds each seed's curve "
         f"({a['curve_definition']}).",
+        *reach_line(a),
         "",
     ]
+
+
+def reach_line(a: dict) -> list[str]:
+    """When the anchor's 10-update mean return first reaches 475, per seed."""
+    if "reach_475_env_steps" not in a:
+        return []
+    reach = ", ".join("never" if r is None else f"{r:,}" for r in a["reach_475_env_steps"])
+    return ["", f"First reaches 475 ({a['reach_475_definition']}): {reach}."]
 
 
 def render(env, command, started, counts, quick, cfg, entries, pairs, checks, notes, seb):
