@@ -407,6 +407,7 @@ class Entry:
     lower_s: float
     compile_s: float
     call: Any
+    flops: float = float("nan")  # XLA's cost analysis of the optimised HLO
 
 
 def compiled_entry(name: str, jitted, args: tuple, env_steps: int, out) -> Entry:
@@ -417,7 +418,8 @@ def compiled_entry(name: str, jitted, args: tuple, env_steps: int, out) -> Entry
     t1 = time.perf_counter()
     exe = lowered.compile()
     t2 = time.perf_counter()
-    return Entry(name, env_steps, t1 - t0, t2 - t1, lambda: out(exe(*args)))
+    flops = _timing.compiled_flops(exe)
+    return Entry(name, env_steps, t1 - t0, t2 - t1, lambda: out(exe(*args)), flops)
 
 
 def build(al, updates: int, quick: bool, dp: bool):
@@ -705,9 +707,12 @@ def render(env, command, started, counts, quick, cfg, entries, pairs, checks, no
         "### Compile time (apart from the timed calls)",
         "",
         _timing.format_table(
-            ["contender", "trace + lower s", "compile s"],
-            [[e.name, f"{e.lower_s:.1f}", f"{e.compile_s:.1f}"] for e in entries],
-        ),
+            ["contender", "trace + lower s", "compile s", "optimised-HLO FLOPs"],
+            [[e.name, f"{e.lower_s:.1f}", f"{e.compile_s:.1f}", f"{e.flops:.0f}"] for e in entries],
+        ),  # fmt: skip
+        "",
+        "FLOPs from `compile().cost_analysis()['flops']` (XLA counts a loop body once, "
+        "so these are per-iteration sums, comparable between blox and raw of one size).",
         "",
         *[n for n in notes],
         "",
