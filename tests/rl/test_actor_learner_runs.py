@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import signal
+import sys
 import time
 
 import pytest
@@ -56,24 +57,38 @@ def test_tiny_learns_and_sebulba_lag_1_prints_the_actor_version():
 
 
 def test_sigkill_then_restart_continues_bit_identically(tmp_path):
-    args = ("--size", "tiny", "--steps", "6", "--save-every", "2")
+    steps = 10
+    args = ("--size", "tiny", "--steps", str(steps), "--save-every", "2")
     full = start(SCRIPT, *args, "--ckpt-dir", str(tmp_path / "full"))
     killed = start(SCRIPT, *args, "--ckpt-dir", str(tmp_path / "killed"))
-    # kill as soon as the checkpoint of update 2 is committed (before the end)
-    deadline = time.monotonic() + 300
-    while not (tmp_path / "killed" / "2").is_dir():
-        assert killed.poll() is None, tail(*killed.communicate())
-        assert time.monotonic() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.05)
-    killed.send_signal(signal.SIGKILL)
-    killed.communicate()
-    assert killed.returncode == -signal.SIGKILL, killed.returncode
+    try:
+        # kill mid-run: once update 4 is printed (6 updates to go) and the checkpoint
+        # of update 2 is committed
+        for line in killed.stdout:
+            if line.startswith("step=4 "):
+                break
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "killed" / "2").is_dir():
+            assert killed.poll() is None, tail(*killed.communicate())
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.02)
+        killed.send_signal(signal.SIGKILL)
+        killed.communicate()
+        assert killed.returncode == -signal.SIGKILL, (killed.returncode, "ended before")
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+            killed.communicate()
+        if sys.exc_info()[0] is not None:  # failing: do not leave the other run behind
+            full.kill()
+            full.communicate()
     resumed = start(SCRIPT, *args, "--ckpt-dir", str(tmp_path / "killed"))
     outs = finish({"full": full, "resumed": resumed})
     assert "resumed from update" in outs["resumed"], tail(outs["resumed"])
     start_at = int(re.search(r"resumed from update (\d+)", outs["resumed"]).group(1))
-    assert 2 <= start_at < 6, start_at
+    assert 2 <= start_at < steps, start_at
     full_lines = LINE.findall(outs["full"])
+    assert len(full_lines) == steps, tail(outs["full"])
     # the same text: every float printed with repr, so equal text is equal bits
     assert LINE.findall(outs["resumed"]) == full_lines[start_at:], tail(outs["resumed"])
     assert FINAL.findall(outs["resumed"]) == FINAL.findall(outs["full"])
