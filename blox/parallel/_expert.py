@@ -44,21 +44,32 @@ from blox.parallel._mesh import bound_axes, check_vma_enabled, varying_axes
 __all__ = ["ExpertParallelMoE", "ep_value_and_grad", "moe_ep_rules", "ragged_dispatch_plan"]
 
 
-def moe_ep_rules(axis: str = "expert") -> list[tuple[str, tuple]]:
+def moe_ep_rules(axis: str = "expert", *, model_axis: str | None = None) -> list[tuple[str, tuple]]:
     """Sharding rules that split every `MoE`'s expert kernels over `axis` on their
     expert dimension: ``experts/gate`` and ``experts/up`` ``(E, D, F)`` and
-    ``experts/down`` ``(E, F, D)`` get ``(axis, None, None)``.
+    ``experts/down`` ``(E, F, D)`` get ``(axis, None, None)``. With `model_axis`
+    (tensor parallelism inside each expert, `ExpertParallelMoE(model_axis=...)`) the
+    hidden features F are also split over it: ``(axis, None, model_axis)`` and
+    ``(axis, model_axis, None)``.
 
     Add rules for the rest of the model (e.g. a replicated catch-all ``('.*', None)``
-    last); E must be divisible by the size of `axis`.
+    last); E must be divisible by the size of `axis` (and F by that of `model_axis`).
 
     >>> from blox import parallel as bp
     >>> bp.moe_ep_rules()
     [('experts/(gate|up|down)', ('expert', None, None))]
+    >>> bp.moe_ep_rules(model_axis='model')
+    [('experts/(gate|up)', ('expert', None, 'model')), ('experts/down', ('expert', 'model', None))]
     """
-    if not isinstance(axis, str):
-        raise TypeError(f"moe_ep_rules: axis must be a mesh-axis name, got {axis!r}.")
-    return [("experts/(gate|up|down)", (axis, None, None))]
+    for what, a in (("axis", axis), ("model_axis", model_axis)):
+        if not isinstance(a, str) and not (what == "model_axis" and a is None):
+            raise TypeError(f"moe_ep_rules: {what} must be a mesh-axis name, got {a!r}.")
+    if model_axis is None:
+        return [("experts/(gate|up|down)", (axis, None, None))]
+    return [
+        ("experts/(gate|up)", (axis, None, model_axis)),
+        ("experts/down", (axis, model_axis, None)),
+    ]
 
 
 @functools.cache
@@ -172,6 +183,10 @@ class ExpertParallelMoE(MoE):
     Args:
       graph, num_experts, hidden_size, rng: as `MoE`.
       axis: the expert mesh axis (keyword-only, as all that follow).
+      model_axis: a mesh axis over which each expert's hidden features F are also split
+        (tensor parallelism inside the experts: the tokens are replicated over it, the
+        down projection's partial products summed with one ``psum``), or None. Use
+        ``moe_ep_rules(axis, model_axis=...)``.
       dispatch: ``'dense'`` (all_to_all of fixed-size buffers, every backend) or
         ``'ragged'`` (``ragged_all_to_all`` of the routed rows only; dropless layers,
         on backends that implement it). ``'ragged'`` on a backend without it (XLA:CPU)
@@ -207,6 +222,7 @@ class ExpertParallelMoE(MoE):
         rng: Rng | None,
         *,
         axis: str = "expert",
+        model_axis: str | None = None,
         dispatch: str = "dense",
         **kwargs: Any,
     ):
@@ -221,7 +237,13 @@ class ExpertParallelMoE(MoE):
                 f"{where}: dispatch='ragged' moves only the routed rows and never drops; "
                 "it needs capacity_factor=None. Use dispatch='dense' with a capacity."
             )
+        if model_axis is not None and (not isinstance(model_axis, str) or model_axis == axis):
+            raise ValueError(
+                f"{where}: model_axis must be None or a mesh-axis name other than axis "
+                f"{axis!r}, got {model_axis!r}."
+            )
         self.axis = axis
+        self.model_axis = model_axis
         self.dispatch = dispatch
 
     # -- mode ----------------------------------------------------------------------------
@@ -239,6 +261,27 @@ class ExpertParallelMoE(MoE):
 
     def _size(self) -> int:
         return jax.lax.axis_size(self.axis)
+
+    def _model_size(self) -> int:
+        """The model-axis size (1 without tensor parallelism in the experts)."""
+        if self.model_axis is None:
+            return 1
+        if self.model_axis not in bound_axes():
+            raise ValueError(
+                f"{self.kind} '{self.path_str}': model_axis {self.model_axis!r} is not bound "
+                f"inside this shard_map (bound: {bound_axes()}). Add it to the mesh and the "
+                "shard_map, or build the layer with model_axis=None."
+            )
+        return jax.lax.axis_size(self.model_axis)
+
+    def _local_experts(self, w: dict, x: jax.Array, cd: Any, precision: Any, matmul: Callable):
+        """This device's experts on their rows; with a model axis each device holds a
+        slice of F, and the partial products of the down projection are summed over it
+        (one psum, as a row-parallel layer)."""
+        y = self._ffn(w, x, cd, precision, matmul)
+        if self.model_axis is not None:
+            y = jax.lax.psum(y, self.model_axis)
+        return y
 
     def plan_capacity(self, num_tokens: int) -> int | None:
         if not self._manual():
@@ -266,7 +309,13 @@ class ExpertParallelMoE(MoE):
         if not self._manual():
             return super()._expert_params(params, d)
         n = self._size()
+        m = self._model_size()
         where = f"{self.kind} '{self.path_str}'"
+        if self.hidden_size % m:
+            raise ValueError(
+                f"{where}: hidden_size={self.hidden_size} is not divisible by the size {m} "
+                f"of model axis {self.model_axis!r}. Use a hidden size divisible by {m}."
+            )
         if self.num_experts % n:
             raise ValueError(
                 f"{where}: num_experts={self.num_experts} is not divisible by the size "
@@ -278,6 +327,9 @@ class ExpertParallelMoE(MoE):
             path = self.experts.param_path(name)
             value = params.value(path)
             local = (shape[0] // n,) + shape[1:]
+            if m > 1:  # the hidden features F over the model axis
+                f_dim = 1 if name == "down" else 2
+                local = tuple(v // m if i == f_dim else v for i, v in enumerate(local))
             if value is None:
                 raise ValueError(
                     f"{where}: parameter '{format_path(path)}' is missing inside shard_map. "
@@ -308,7 +360,7 @@ class ExpertParallelMoE(MoE):
         def mm(a, b):
             return jnp.einsum("ecd,edf->ecf", a, b, precision=precision)
 
-        out = self._ffn(w, rows, cd, precision, mm)
+        out = self._local_experts(w, rows, cd, precision, mm)
         # Combine: each block of rows back to the device it came from: (E, G C, D).
         out = jax.lax.all_to_all(out, self.axis, 1, 0, tiled=True)
         return jnp.swapaxes(out.reshape(e, g, c, d), 0, 1)
@@ -340,7 +392,7 @@ class ExpertParallelMoE(MoE):
         def mm(a, b):
             return grouped_matmul(a, b, plan["group_sizes"])
 
-        ys = self._ffn(w, recv, cd, precision, mm)
+        ys = self._local_experts(w, recv, cd, precision, mm)
         back = jax.lax.ragged_all_to_all(
             ys, self._varying(jnp.zeros_like(xs)), *plan["combine"], axis_name=self.axis
         )

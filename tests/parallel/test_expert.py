@@ -36,11 +36,13 @@ def _mesh(shape, names, kind):
     return jax.make_mesh(shape, names, axis_types=(t,) * len(shape))
 
 
-def _layers(token_axes, **kw):
+def _layers(token_axes, model_axis=None, **kw):
     """The EP layer and a plain `MoE` at the same paths (one Params serves both)."""
     cfg = dict(top_k=2, routing_bias=True, balance_weight=0.1, z_weight=0.01, **kw)
     g1, g2 = bx.Graph("net"), bx.Graph("net")
-    ep = bp.ExpertParallelMoE(g1 / "moe", E, F, bx.Rng(g1 / "rng"), token_axes=token_axes, **cfg)
+    ep = bp.ExpertParallelMoE(
+        g1 / "moe", E, F, bx.Rng(g1 / "rng"), token_axes=token_axes, model_axis=model_axis, **cfg
+    )
     rng = bx.Rng(g2 / "rng")
     one = bx.MoE(g2 / "moe", E, F, rng, **cfg)
     return ep, one, rng
@@ -93,11 +95,11 @@ def _one_device_steps(one, params, x, target, steps):
     return params, out
 
 
-def _ep_steps(ep, params, x, target, mesh, batch_axes, data_axes, steps):
+def _ep_steps(ep, params, x, target, mesh, batch_axes, data_axes, steps, rules=RULES):
     """The user's step: shard_map over the mesh, ep_value_and_grad, SGD on the local
     shards, the bias update from the global loads."""
-    specs = bp.param_specs(params, RULES, mesh)
-    params = jax.device_put(params, bp.param_shardings(params, RULES, mesh))
+    specs = bp.param_specs(params, rules, mesh)
+    params = jax.device_put(params, bp.param_shardings(params, rules, mesh))
     grad_fn = bp.ep_value_and_grad(_loss_fn(ep), data_axes=data_axes, has_aux=True)
 
     def body(params, x, target):
@@ -146,24 +148,28 @@ def _compare(ep_run, one_run):
     [
         ((8,), ("expert",), "explicit", "expert", None),
         ((4, 2), ("data", "expert"), "auto", ("data", "expert"), "data"),
+        ((4, 2), ("expert", "model"), "explicit", "expert", None),
     ],
-    ids=["ep8-explicit", "dp4xep2-auto"],
+    ids=["ep8-explicit", "dp4xep2-auto", "ep4xtp2-explicit"],
 )
 def test_ep_equals_one_device_over_three_steps(shape, names, kind, batch_axes, data_axes):
     mesh = _mesh(shape, names, kind)
-    token_axes = names
-    ep, one, rng = _layers(token_axes)
+    model = "model" if "model" in names else None
+    token_axes = tuple(n for n in names if n != "model")
+    ep, one, rng = _layers(token_axes, model_axis=model)
+    rules = bp.moe_ep_rules(model_axis=model) + [(".*", None)]
     x, target = _data()
     params = _init(one, rng, x)
     with jax.default_matmul_precision("highest"):
         ref = _one_device_steps(one, params, x, target, 3)
-        run = _ep_steps(ep, params, x, target, mesh, batch_axes, data_axes, 3)
+        run = _ep_steps(ep, params, x, target, mesh, batch_axes, data_axes, 3, rules)
     out = _compare(run, ref)
     assert all(d == 0 for _, _, d in out)  # worst-case capacity: nothing dropped
     bias = np.asarray(run[0][("net", "moe", "router", "bias")].value)
     assert np.any(bias != 0) and abs(bias.sum()) < 1e-6  # the bias moved, centred
-    # Expert kernels: 1/N of the unsharded bytes on each device (N = expert axis size).
-    n = dict(zip(names, shape, strict=True))["expert"]
+    # Expert kernels: 1/N of the unsharded bytes on each device (N = the expert axis
+    # size, times the model axis size with tensor parallelism inside the experts).
+    n = int(np.prod([s for a, s in zip(names, shape, strict=True) if a != "data"]))
     for path, v in run[0].arrays().items():
         if path[-2] == "experts":
             local = v.addressable_shards[0].data.nbytes
