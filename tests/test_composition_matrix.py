@@ -768,6 +768,15 @@ def _run_pipeline(path, m, shared, stages, x, t, k, rngs):
 # -- the cells -----------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _shared_compiles():
+    """The models, initial values, references and runs are cached across the cells of
+    this module (one compile per model, reference and path) and dropped after it."""
+    yield
+    for cached in (_model, _init, _reference, _run):
+        cached.cache_clear()
+
+
 def _close(got, want, what, t):
     got, want = dict(got.arrays()), dict(want.arrays())
     assert got.keys() == want.keys(), (what, sorted(got.keys() ^ want.keys()))
