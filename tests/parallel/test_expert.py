@@ -339,3 +339,47 @@ def test_ragged_dispatch_traces_and_equals_dense_where_the_backend_has_it(monkey
     np.testing.assert_allclose(float(loss_r), float(loss_d), rtol=1e-5)
     for path, v in g_d.arrays().items():
         np.testing.assert_allclose(np.asarray(g_r[path].value), np.asarray(v), rtol=1e-5, atol=1e-6)
+
+
+def test_misuse_is_named():
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    with pytest.raises(ValueError, match=r"'net/a': dispatch must be 'dense' or 'ragged'"):
+        bp.ExpertParallelMoE(g / "a", E, F, rng, dispatch="sparse")
+    with pytest.raises(ValueError, match=r"'net/b': dispatch='ragged' .* capacity_factor=None"):
+        bp.ExpertParallelMoE(g / "b", E, F, rng, dispatch="ragged", capacity_factor=1.0)
+    with pytest.raises(ValueError, match=r"'net/c': model_axis must be None or a mesh-axis"):
+        bp.ExpertParallelMoE(g / "c", E, F, rng, model_axis="expert")
+
+    mesh = _mesh((8,), ("expert",), "auto")
+    x = jax.ShapeDtypeStruct((16, D), jnp.float32)
+
+    def trace(layer, params, check_vma=True, rules=RULES):
+        f = jax.shard_map(
+            lambda p, x: layer(p, x)[0][0],
+            mesh=mesh,
+            in_specs=(bp.param_specs(params, rules, mesh), P("expert")),
+            out_specs=P("expert"),
+            check_vma=check_vma,
+        )
+        return jax.eval_shape(f, params, x)
+
+    _, one, r1 = _layers(None)
+    params = _init(one, r1, jnp.zeros((16, D)))
+    six = bp.ExpertParallelMoE(g / "d", 6, F, rng)
+    p6 = _init_other(six, rng)
+    with pytest.raises(ValueError, match=r"'net/d': num_experts=6 is not divisible by the size 8"):
+        trace(six, p6, rules=[(".*", None)])  # bp.param_specs refuses the EP rules
+    ep, _, _ = _layers(("expert", "data"))
+    with pytest.raises(ValueError, match=r"token_axes \('expert', 'data'\) are only partly bound"):
+        trace(ep, params)
+    ep, _, _ = _layers(("expert",))
+    with pytest.raises(ValueError, match=r"needs jax.shard_map\(\.\.\., check_vma=True\)"):
+        trace(ep, params, check_vma=False)
+    ep, _, _ = _layers(("expert",), model_axis="model")
+    with pytest.raises(ValueError, match=r"model_axis 'model' is not bound inside this shard_map"):
+        trace(ep, params)
+
+
+def _init_other(layer, rng):
+    return numpy_params(layer, rng.seed(bx.Params(), seed=0), jnp.zeros((16, D))).locked()
