@@ -209,19 +209,28 @@ def unstack_stages(stacked: Params, *, virtual_stages: int = 1) -> list[Params]:
                     "virtual_stages the params were stacked with."
                 )
     p = leaves[0].shape[1 if v > 1 else 0]
-    index = [(c, s) for c in range(v) for s in range(p)] if v > 1 else list(range(p))
-
-    def split(tree):
-        return [jax.tree.map(lambda x, k=k: x[k], tree) for k in index]
-
+    index = tuple((c, s) for c in range(v) for s in range(p)) if v > 1 else tuple(range(p))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
-        return split(stacked)
+        return _split_stages(stacked, index)
     meshes = {x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)}
     if len(meshes) == 1 and all(isinstance(x.sharding, NamedSharding) for x in leaves):
-        mesh = meshes.pop()
-        whole = lambda t: jax.tree.map(lambda x: constrain(x, mesh, PartitionSpec()), t)  # noqa: E731
-        return jax.jit(lambda t: split(whole(t)))(stacked)
-    return jax.jit(split)(stacked)
+        return _unstack_whole(stacked, index, meshes.pop())
+    return _unstack_whole(stacked, index, None)
+
+
+def _split_stages(tree: Any, index: tuple) -> list:
+    return [jax.tree.map(lambda x, k=k: x[k], tree) for k in index]
+
+
+def _unstack_replicated(tree: Any, index: tuple, mesh: Mesh | None) -> list:
+    """`_split_stages`, each piece replicated over `mesh` (None: where XLA puts it)."""
+    if mesh is not None:
+        tree = jax.tree.map(lambda x: constrain(x, mesh, PartitionSpec()), tree)
+    return _split_stages(tree, index)
+
+
+# One jitted function (not a fresh one per call): compiled once per shapes, index and mesh.
+_unstack_whole = jax.jit(_unstack_replicated, static_argnums=(1, 2))
 
 
 def _check_out(out: Any, where: str, name: str, args: str) -> tuple[Any, Params]:
@@ -261,13 +270,6 @@ def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
         return lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(one, tree)
-
-
-def _zeros(tree: Any) -> Any:
-    """Zeros of each leaf's shape, dtype and varying axes."""
-    return jax.tree.map(
-        lambda x: _vary(jnp.zeros(jnp.shape(x), x.dtype), tuple(varying_axes(x))), tree
-    )
 
 
 # -- the model's three functions -----------------------------------------------------------
@@ -441,7 +443,7 @@ class _Ctx(NamedTuple):
     param_res: list  # residuals of the params alone, leaves (v, ...)
     h_zero: Any  # zeros of the activation's type
     stage_axis: str
-    perms: tuple[list, list]  # forward and backward ppermute pairs
+    sends: _Sends  # what each slot transfers (one ppermute per group)
 
 
 class _Buffers(NamedTuple):
@@ -485,15 +487,16 @@ class _CellIn(NamedTuple):
     is_first: jax.Array  # virtual stage 0
     is_last: jax.Array  # virtual stage v * p - 1
     mb: jax.Array  # the microbatch's index
+    g: Params  # this chunk's gradient accumulator
+    g_sh: Params  # the shared gradient accumulator
 
 
 class _CellOut(NamedTuple):
-    h_send: Any  # activation for the next virtual stage
-    ct_send: Any  # cotangent for the previous virtual stage
+    send: Any  # F: the activation for the next virtual stage; B: the input cotangent
     ct_own: Any  # last virtual stage: the cotangent of its output, for its own backward
     stash_out: tuple[list, Params]  # the stash entry to write (unchanged if no forward)
-    d_tr: Params  # this chunk's gradient
-    d_sh: Params
+    g: Params  # the chunk's gradient accumulator, plus what this action adds
+    g_sh: Params
     terms: _Terms
     st: Params  # this chunk's state
     st_sh: Params
@@ -541,27 +544,26 @@ def _forward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
             d_sh, d_h = jax.tree.map(
                 lambda g: jnp.where(ok, g, jnp.zeros((), g.dtype)), (d_sh, d_h)
             )
-        return terms, new_sh, d_sh, d_h
+        return terms, new_sh, jax.tree.map(_plus, x.g_sh, d_sh), d_h
 
-    terms, st_sh, d_sh, ct_own = lax.cond(
-        x.is_last, last, lambda: (c.no_terms, st_sh, _zeros(c.tr_sh), c.h_zero)
+    terms, st_sh, g_sh, ct_own = lax.cond(
+        x.is_last, last, lambda: (c.no_terms, st_sh, x.g_sh, c.h_zero)
     )
     avals = _stash_avals(c.layout)
     stash = ([_vary(v, _aval_vma(a)) for v, a in zip(res, avals, strict=True)], st_in)
-    z = c.h_zero
-    return _CellOut(h_out, z, ct_own, stash, _zeros(x.tr), d_sh, terms, st, st_sh)
+    return _CellOut(h_out, ct_own, stash, x.g, g_sh, terms, st, st_sh)
 
 
 def _first_pullback(c: _Ctx, x: _CellIn, d_h: Any) -> Params:
-    """Virtual stage 0: the shared params' gradient through a recomputed ``first_fn``
-    (with the shared state its forward saw); zeros elsewhere."""
+    """The shared gradient accumulator plus, on virtual stage 0, the shared params'
+    gradient through a recomputed ``first_fn`` (with the shared state its forward saw)."""
     _, st_sh_seen = x.stash_in
 
     def first():
         _, pull = jax.vjp(lambda p: _first(c.fns, p, st_sh_seen, x.x)[0], c.tr_sh)
-        return pull(d_h)[0]
+        return jax.tree.map(_plus, x.g_sh, pull(d_h)[0])
 
-    return lax.cond(x.is_first, first, lambda: _zeros(c.tr_sh))
+    return lax.cond(x.is_first, first, lambda: x.g_sh)
 
 
 def _backward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
@@ -571,11 +573,9 @@ def _backward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
     this branch (XLA removes it); `_weight_cell` computes it later."""
     res, _ = x.stash_in
     d_tr, d_h = _rebuild_vjp(c.layout, res, x.param_res)(x.ct_in)
-    if c.split:
-        d_tr = _zeros(x.tr)
-    d_sh = _first_pullback(c, x, d_h)
-    z = c.h_zero
-    return _CellOut(z, d_h, z, x.stash_in, d_tr, d_sh, c.no_terms, x.st, x.st_sh)
+    g = x.g if c.split else jax.tree.map(_plus, x.g, d_tr)
+    g_sh = _first_pullback(c, x, d_h)
+    return _CellOut(d_h, c.h_zero, x.stash_in, g, g_sh, c.no_terms, x.st, x.st_sh)
 
 
 def _weight_cell(c: _Ctx, x: _CellIn) -> _CellOut:
@@ -583,53 +583,137 @@ def _weight_cell(c: _Ctx, x: _CellIn) -> _CellOut:
     cotangent its B kept (the input-cotangent half is dead code here)."""
     res, _ = x.stash_in
     d_tr, _ = _rebuild_vjp(c.layout, res, x.param_res)(x.ct_kept)
+    g = jax.tree.map(_plus, x.g, d_tr)
     z = c.h_zero
-    return _CellOut(z, z, z, x.stash_in, d_tr, _zeros(c.tr_sh), c.no_terms, x.st, x.st_sh)
+    return _CellOut(z, z, x.stash_in, g, x.g_sh, c.no_terms, x.st, x.st_sh)
 
 
 def _idle_cell(c: _Ctx, x: _CellIn) -> _CellOut:
     z = c.h_zero
-    zeros = _zeros(x.tr), _zeros(c.tr_sh)
-    return _CellOut(z, z, z, x.stash_in, *zeros, c.no_terms, x.st, x.st_sh)
+    return _CellOut(z, z, x.stash_in, x.g, x.g_sh, c.no_terms, x.st, x.st_sh)
 
 
 _CELLS = {IDLE: _idle_cell, FORWARD: _forward_cell, BACKWARD: _backward_cell, WEIGHT: _weight_cell}
 
 
+class _Sends(NamedTuple):
+    """What each time slot transfers, from the static program: the sends of a slot
+    (F: activation to the next virtual stage's device; B: cotangent to the previous
+    one's) are split into as few groups as make each a partial permutation (a device
+    sends and receives at most once per group: under 1F1B one group per slot); each
+    group is one ``ppermute``. Slots with the same groups share a `pattern`.
+
+    Attributes:
+      pattern: ``(T,)`` int32, the pattern each slot runs (a `lax.switch` index, the
+        same on every device).
+      patterns: per pattern, its groups: ``(perm, lane)``, the ``(src, dst)`` pairs and
+        per device the lane whose output it sends (-1: none).
+      recv: ``(T, p, G, 2)`` int32: per slot, device and group, what arrives (0 nothing,
+        1 an activation, 2 a cotangent) and the inbox entry it goes to.
+      groups: ``G``, the most groups of any slot.
+    """
+
+    pattern: np.ndarray
+    patterns: tuple[tuple[tuple[tuple[tuple[int, int], ...], tuple[int, ...]], ...], ...]
+    recv: np.ndarray
+    groups: int
+
+
+def _send_plan(table: np.ndarray, p: int, v: int) -> _Sends:
+    """`_Sends` from the program's columns (``table``: ``(T, p, lanes, 9)``)."""
+    n_slots, _, lanes, _ = table.shape
+    keys: dict[Any, int] = {}
+    pattern = np.zeros(n_slots, np.int32)
+    per_slot = []
+    for t in range(n_slots):
+        groups: list[list[tuple[int, int, int, int, int]]] = []  # (src, dst, lane, dir, entry)
+        for s in range(p):
+            for lane in range(lanes):
+                a = table[t, s, lane]
+                vs = a[_CHUNK] * p + s
+                if a[_KIND] == FORWARD and vs < v * p - 1:
+                    send = (s, (s + 1) % p, lane, 1, int(a[_SEND_F]))
+                elif a[_KIND] == BACKWARD and vs > 0:
+                    send = (s, (s - 1) % p, lane, 2, int(a[_SEND_B]))
+                else:
+                    continue
+                for g in groups:
+                    if all(send[0] != o[0] and send[1] != o[1] for o in g):
+                        g.append(send)
+                        break
+                else:
+                    groups.append([send])
+        per_slot.append(groups)
+        key = tuple(tuple((a, b, lane) for a, b, lane, _, _ in g) for g in groups)
+        pattern[t] = keys.setdefault(key, len(keys))
+    n_groups = max((len(g) for g in per_slot), default=0)
+    recv = np.zeros((n_slots, p, n_groups, 2), np.int32)
+    for t, groups in enumerate(per_slot):
+        for k, g in enumerate(groups):
+            for _, dst, _, direction, entry in g:
+                recv[t, dst, k] = (direction, entry)
+    patterns = []
+    for key in keys:  # in order of first use, as numbered
+        groups = []
+        for g in key:
+            lane = [-1] * p
+            for src, _, ln in g:
+                lane[src] = ln
+            groups.append((tuple((a, b) for a, b, _ in g), tuple(lane)))
+        patterns.append(tuple(groups))
+    return _Sends(pattern, tuple(patterns), recv, n_groups)
+
+
 def _slot(c: _Ctx, xs: Any, ys: Any, carry: tuple[_Buffers, _Acc], t: jax.Array):
     """One time slot on one device: run the cell's lanes in turn (each reads its buffer
     entries, runs a forward, a backward, a weight gradient or nothing, writes back), then
-    send what they produced (one ``ppermute`` per direction and lane, carrying the
-    receiver's entry) and file what arrived."""
+    send what they produced (the slot's pattern of `_Sends`: one ``ppermute`` per group
+    of sends, none in a slot where no device sends) and file what arrived."""
     bufs, acc = carry
     row = c.program[t, c.stage]  # (lanes, 9)
     sends = []
     for lane, present in enumerate(c.lane_kinds):
-        bufs, acc, out, first, last = _lane(c, xs, ys, bufs, acc, row[lane], present)
-        sends.append((row[lane], out, first, last))
-    # A lane that never runs a forward (a backward) anywhere in the table sends no
-    # activation (cotangent): its ppermute is left out.
-    for (a, out, first, last), present in zip(sends, c.lane_kinds, strict=True):
-        kind = a[_KIND]
-        if FORWARD in present:
-            ok = (kind == FORWARD) & ~last  # the activation, to the next virtual stage
-            h, ok, e = lax.ppermute((out.h_send, ok, a[_SEND_F]), c.stage_axis, c.perms[0])
-            bufs = bufs._replace(inbox_f=_put(bufs.inbox_f, e, h, ok))
-            # the last virtual stage files the cotangent of its own output
-            own = (kind == FORWARD) & last
-            bufs = bufs._replace(inbox_b=_put(bufs.inbox_b, a[_SEND_B], out.ct_own, own))
-        if BACKWARD in present:
-            ok = (kind == BACKWARD) & ~first  # the cotangent, to the previous one
-            h, ok, e = lax.ppermute((out.ct_send, ok, a[_SEND_B]), c.stage_axis, c.perms[1])
-            bufs = bufs._replace(inbox_b=_put(bufs.inbox_b, e, h, ok))
+        bufs, acc, out, last = _lane(c, xs, ys, bufs, acc, row[lane], present)
+        sends.append(out.send)
+        if FORWARD in present:  # the last virtual stage files the cotangent of its output
+            own = (row[lane, _KIND] == FORWARD) & last
+            bufs = bufs._replace(inbox_b=_put(bufs.inbox_b, row[lane, _SEND_B], out.ct_own, own))
+    plan = c.sends
+    if not plan.groups:
+        return (bufs, acc), None
+
+    def transfer(groups):
+        def run(sends):
+            got = []
+            for perm, lanes in groups:
+                lane = jnp.asarray(lanes, jnp.int32)[c.stage]
+                value = sends[0]
+                for k in range(1, len(sends)):
+                    value = jax.tree.map(
+                        lambda a, b, k=k, lane=lane: jnp.where(lane == k, b, a), value, sends[k]
+                    )
+                got.append(lax.ppermute(value, c.stage_axis, list(perm)))
+            return got + [c.h_zero] * (plan.groups - len(groups))
+
+        return run
+
+    got = lax.switch(jnp.asarray(plan.pattern)[t], [transfer(g) for g in plan.patterns], sends)
+    recv = jnp.asarray(plan.recv)[t, c.stage]  # (G, 2)
+    for k, value in enumerate(got):
+        what, entry = recv[k, 0], recv[k, 1]
+        bufs = bufs._replace(
+            inbox_f=_put(bufs.inbox_f, entry, value, what == 1),
+            inbox_b=_put(bufs.inbox_b, entry, value, what == 2),
+        )
     return (bufs, acc), None
 
 
 def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, a: jax.Array, present):
     """One action of a slot (`a`: its row of the program): read its entries, run the
     cell (a switch over the kinds this lane runs somewhere in the table, `present`),
-    write its stash (and kept-cotangent) entry and accumulate into its chunk; returns
-    what it sends and whether it is the first / last virtual stage."""
+    write its stash (and kept-cotangent) entry and its chunk's gradient accumulator (the
+    cells that compute a gradient add to it; forward and idle cells pass it through);
+    returns the cell's output and whether it ran on the last virtual stage."""
     kind, chunk = a[_KIND], a[_CHUNK]
     vs = chunk * c.num_stages + c.stage
     first, last = vs == 0, vs == c.num_virtual - 1
@@ -647,6 +731,8 @@ def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, a: jax.Array, pr
         first,
         last,
         a[_MB],
+        _row(c, acc.g, chunk),
+        acc.g_sh,
     )
     branch = np.zeros(len(_CELLS), np.int32)
     branch[list(present)] = np.arange(len(present))
@@ -659,13 +745,13 @@ def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, a: jax.Array, pr
     if c.split:  # B keeps the cotangent it received for its W
         bufs = bufs._replace(wgrad=_put(bufs.wgrad, a[_WGRAD], x.ct_in, kind == BACKWARD))
     acc = _Acc(
-        _add_row(c, acc.g, chunk, out.d_tr),
-        jax.tree.map(_plus, acc.g_sh, out.d_sh),
+        _set_row(c, acc.g, chunk, out.g),
+        out.g_sh,
         jax.tree.map(_plus, acc.terms, out.terms),
         _set_row(c, acc.st, chunk, out.st),
         out.st_sh,
     )
-    return bufs, acc, out, first, last
+    return bufs, acc, out, last
 
 
 # A device's chunks are the rows of its (v, ...) leaves: with one chunk (v == 1) the row
@@ -680,13 +766,6 @@ def _set_row(c: _Ctx, tree: Any, chunk: jax.Array, values: Any) -> Any:
     if c.num_virtual == c.num_stages:
         return jax.tree.map(lambda x, v: v[None].astype(x.dtype), tree, values)
     return _put(tree, chunk, values)
-
-
-def _add_row(c: _Ctx, tree: Any, chunk: jax.Array, values: Any) -> Any:
-    """``tree[chunk] += values`` for every leaf (in the dtype of `tree`'s leaves)."""
-    if c.num_virtual == c.num_stages:
-        return jax.tree.map(lambda x, v: _plus(x, v[None]), tree, values)
-    return _put(tree, chunk, jax.tree.map(_plus, _take(tree, chunk), values))
 
 
 def _plus(acc: jax.Array, value: jax.Array) -> jax.Array:
@@ -1043,10 +1122,6 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
         for lane in range(kinds_np.shape[-1])
     )
     split = bool((kinds_np == WEIGHT).any())
-    if v == 1:
-        perms = ([(s, s + 1) for s in range(p - 1)], [(s + 1, s) for s in range(p - 1)])
-    else:  # circular: device p - 1's chunk c feeds device 0's chunk c + 1
-        perms = ([(s, (s + 1) % p) for s in range(p)], [((s + 1) % p, s) for s in range(p)])
     c = _Ctx(
         fns=fns,
         layout=layout,
@@ -1066,7 +1141,7 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
         param_res=param_res,
         h_zero=h_zero,
         stage_axis=axis,
-        perms=perms,
+        sends=_send_plan(table, p, v),
     )
 
     def ring(n, avals):

@@ -36,7 +36,9 @@ def test_split_backward_costs_one_backward():
         hlo = compiled(schedule, 8, hidden=None).as_text()
         dots[schedule] = len(re.findall(r" dot\(", hlo))
         branches = re.findall(r"branch_computations=\{([^}]*)\}", hlo)
-        assert max(len(b.split(",")) for b in branches) == (4 if schedule == "zb-h1" else 3)
+        # the cells' switch (the slot's transfers are another switch, one branch per
+        # pattern of sends)
+        assert (4 if schedule == "zb-h1" else 3) in {len(b.split(",")) for b in branches}
         assert conditional_heads(hlo)
     assert dots["1f1b"] == 3, dots
     assert dots["zb-h1"] == dots["1f1b"], dots
