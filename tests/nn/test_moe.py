@@ -222,6 +222,8 @@ def test_bfloat16_params_and_inputs_match_the_reference_at_the_bf16_tolerance():
     x16 = jnp.asarray(np.asarray(x).astype(jnp.bfloat16))
     (y, aux), _ = jax.jit(moe)(p16, x16)
     assert y.dtype == jnp.bfloat16 and aux["loss"].dtype == jnp.float32
+    (_, gates, logits), _ = jax.jit(moe.route)(p16, x16.reshape(-1, D))
+    assert gates.dtype == logits.dtype == jnp.float32  # the router runs in float32
     # The reference in float32 from the same bf16-rounded values.
     ref = {k: np.asarray(v, np.float32) for k, v in p16.arrays().items()}
     with jax.default_matmul_precision("highest"):
