@@ -40,6 +40,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -408,6 +409,7 @@ class Entry:
     compile_s: float
     call: Any
     flops: float = float("nan")  # XLA's cost analysis of the optimised HLO
+    copies: int = 0  # copy instructions in the optimised HLO
 
 
 def compiled_entry(name: str, jitted, args: tuple, env_steps: int, out) -> Entry:
@@ -419,7 +421,8 @@ def compiled_entry(name: str, jitted, args: tuple, env_steps: int, out) -> Entry
     exe = lowered.compile()
     t2 = time.perf_counter()
     flops = _timing.compiled_flops(exe)
-    return Entry(name, env_steps, t1 - t0, t2 - t1, lambda: out(exe(*args)), flops)
+    copies = len(re.findall(r"=\s*\S+\s+copy\(", exe.as_text()))
+    return Entry(name, env_steps, t1 - t0, t2 - t1, lambda: out(exe(*args)), flops, copies)
 
 
 def build(al, updates: int, quick: bool, dp: bool):
@@ -689,8 +692,9 @@ def render(env, command, started, counts, quick, cfg, entries, pairs, checks, no
             "the learner mesh and pushes the weights back with `bp.place`, driven from "
             "Python, waiting for each update's loss as the example's command line does. "
             f"One run of {seb_updates} updates per lag, after the timed rounds; the first "
-            "update includes compiling (the generator builds its jitted functions per "
-            "run), the steady rate is over the updates after it." + per_update,
+            "update includes compiling where JAX's caches miss (the lag-1 run finds most "
+            "of the lag-0 run's functions compiled), the steady rate is over the updates "
+            "after it." + per_update,
             "",
             _timing.format_table(
                 [
@@ -707,12 +711,16 @@ def render(env, command, started, counts, quick, cfg, entries, pairs, checks, no
         "### Compile time (apart from the timed calls)",
         "",
         _timing.format_table(
-            ["contender", "trace + lower s", "compile s", "optimised-HLO FLOPs"],
-            [[e.name, f"{e.lower_s:.1f}", f"{e.compile_s:.1f}", f"{e.flops:.0f}"] for e in entries],
-        ),  # fmt: skip
+            ["contender", "trace + lower s", "compile s", "optimised-HLO FLOPs", "copy ops"],
+            [
+                [e.name, f"{e.lower_s:.1f}", f"{e.compile_s:.1f}", f"{e.flops:.0f}", e.copies]
+                for e in entries
+            ],
+        ),
         "",
         "FLOPs from `compile().cost_analysis()['flops']` (XLA counts a loop body once, "
-        "so these are per-iteration sums, comparable between blox and raw of one size).",
+        "so these are per-iteration sums, comparable between blox and raw of one size); "
+        "copy ops: `copy(` instructions in `compile().as_text()`.",
         "",
         *[n for n in notes],
         "",
