@@ -1,9 +1,11 @@
 """The composition matrix (issue 34 item 22): every stateful feature on every path.
 
-Rows (`FEATURES`) are the stateful features of a model: dropout through an `Rng`,
-BatchNorm running statistics, RNG counters drawn on both ends of the model, a masked
-loss weighted by ``aux['weight']`` over a padded batch, a bf16 compute policy, and
-gradient accumulation. Columns (`PATHS`) are the ways to train it: one device, one
+Rows (`FEATURES`) are the stateful features of a model: dropout through an `Rng` (and
+the same with the `Rng` left out of ``rngs=``), BatchNorm running statistics (per shard,
+and averaged over ``'data'``), integer state that depends on the data, RNG counters
+drawn on both ends of the model, a masked loss weighted by ``aux['weight']`` over a
+padded batch (NaN on all-padding microbatches), a bf16 compute policy over a tree of
+mixed dtypes, and gradient accumulation. Columns (`PATHS`) are the ways to train it: one device, one
 device with accumulation, DP, FSDP, TP, each pipeline schedule, DP x PP, FSDP x PP and
 DP x TP x PP. A cell runs one step of its path and compares the loss, the gradients (or
 the params after one SGD step of rate 1) and the non-trainable state (RNG counters and
@@ -392,16 +394,17 @@ CELLS = [
 
 
 def semantics(cell: Cell) -> str:
-    """The cell's semantics: what its reference computes."""
+    """The cell's semantics, in words: what its reference computes (the docs print it
+    short, `_short`; a failing cell prints it whole)."""
     f, p = cell.feature, cell.path
     if cell.error is not None:
-        return f"raises {cell.error[0].__name__}: {cell.error[2]}"
-    k = p.k * f.micro
-    split = f"{p.data} shard(s) x {k} microbatch(es)"
+        return f"raises {cell.error[0].__name__}, because {cell.error[2]}"
+    split = f"{p.data} data shard(s) x {p.k * f.micro} microbatch(es) in order"
     if p.schedule:
         split += f", {p.units} units on {dict(p.mesh)['stage']} stages"
-    seeds = "seeds folded by shard index" if p.folds else "seeds as stored"
-    return f"= one device, {split}, {seeds}"
+    seeds = "every Rng seed folded by the shard index" if p.folds else "the seeds as stored"
+    stats = ", statistics over microbatch j of every shard" if f.sync_bn else ""
+    return f"equals one device run over {split}, {seeds}{stats}; {f.semantics}"
 
 
 # -- the model -----------------------------------------------------------------------------
@@ -771,18 +774,18 @@ def _shared_compiles():
         cached.cache_clear()
 
 
-def _close(got, want, what, t):
+def _close(got, want, what, t, why):
     got, want = dict(got.arrays()), dict(want.arrays())
-    assert got.keys() == want.keys(), (what, sorted(got.keys() ^ want.keys()))
+    assert got.keys() == want.keys(), (what, sorted(got.keys() ^ want.keys()), why)
     for key in want:
         a, b = np.asarray(got[key]), np.asarray(want[key])
         if jnp.issubdtype(b.dtype, jnp.floating):
-            assert a.dtype == b.dtype, (what, key, a.dtype, b.dtype)
+            assert a.dtype == b.dtype, (what, key, a.dtype, b.dtype, why)
             np.testing.assert_allclose(
-                a, b, **t, err_msg=f"{what} {'/'.join(key)}: path vs reference"
+                a, b, **t, err_msg=f"{what} {'/'.join(key)} (path vs reference); {why}"
             )
         else:
-            np.testing.assert_array_equal(a, b, err_msg=f"{what} {'/'.join(key)}")
+            np.testing.assert_array_equal(a, b, err_msg=f"{what} {'/'.join(key)}; {why}")
 
 
 @pytest.mark.standard_promotion  # Optax's updates mix Python floats and int32 counts
@@ -796,16 +799,17 @@ def test_cell(cell: Cell):
     t = f.tol()
     ref_loss, ref_grads, ref_state = reference(f, p.units, p.data, p.k * f.micro, p.folds)
     loss, grads, state = run(f, p)
-    np.testing.assert_allclose(float(loss), float(ref_loss), **t, err_msg="loss")
+    why = f"{f.name} on {p.name}, which {semantics(cell)}"
+    np.testing.assert_allclose(float(loss), float(ref_loss), **t, err_msg=f"loss; {why}")
     if grads is not None:  # a pipeline: gradients and state
-        _close(grads, ref_grads, "gradient", t)
-        _close(state, ref_state, "state", t)
+        _close(grads, ref_grads, "gradient", t, why)
+        _close(state, ref_state, "state", t, why)
     else:  # a train step: the params after one SGD step, and the state
         _, _, flat = init(f, p.units)
         tr = flat.split()[0]
         want = jax.tree.map(lambda a, g: a - LR * g, tr, ref_grads)
-        _close(state.split()[0], want, "params after one SGD step", t)
-        _close(state.split()[1], ref_state, "state", t)
+        _close(state.split()[0], want, "params after one SGD step", t, why)
+        _close(state.split()[1], ref_state, "state", t, why)
 
 
 # -- the docs ------------------------------------------------------------------------------
