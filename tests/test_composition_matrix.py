@@ -905,6 +905,11 @@ _DIFFER = """\
   the loss is the mean (or the weighted mean) of the microbatch losses.
 * **An `Rng` left out of `rngs=`** on a data axis would draw the same masks on every
   shard: the steps raise, naming the `Rng` and `rngs=`.
+* **A bf16 policy** is written here as the layers' `dtype=bfloat16`, the one form every
+  path takes: `make_train_step(policy=Policy(...))` casts the trainable params and the
+  batch inside the step, but the DP, FSDP and pipeline steps take no `policy=`; with
+  them, cast in the loss function (`policy.cast_to_compute`) or give the layers a
+  compute `dtype`.
 * **A shared `Rng` drawn by `first_fn` and `last_fn`** of a pipeline (which run on
   different stages) advances its counter as one device does, both ends' draws counted
   and no key drawn twice ([pipeline.md](pipeline.md)).
