@@ -144,8 +144,9 @@ class MoE(Module):
         e (the softmax scores; for sigmoid scores, each token's scores divided by their
         sum). It is ``k`` when routing is uniform. Only ``prob`` carries a gradient.
       * ``aux['z_loss']``: ``mean_t logsumexp(logits[t])**2`` (ST-MoE's router z-loss).
-      * ``aux['loss']``: ``balance_weight * balance_loss + z_weight * z_loss``: add it
-        to your training loss.
+      * ``aux['aux_loss']``: ``balance_weight * balance_loss + z_weight * z_loss``: add it
+        to your training loss. (Not named ``'loss'``: returned as a step's aux, it would
+        clash with the step's own ``metrics['loss']``.)
       * ``aux['load']`` ``(E,)``: the number of choices routed to each expert (before
         drops), the input of `update_bias`.
       * ``aux['dropped']``: the number of dropped choices (0 when dropless).
@@ -174,7 +175,7 @@ class MoE(Module):
       capacity_factor: None (dropless) or c > 0 (capacity dispatch).
       groups: G, the number of contiguous token groups capacity is counted in (must
         divide N).
-      balance_weight, z_weight: the weights of the two losses in ``aux['loss']``
+      balance_weight, z_weight: the weights of the two losses in ``aux['aux_loss']``
         (default 0.01 and 0).
       routing_bias: keep the aux-loss-free bias (non-trainable).
       token_axes: a mesh-axis name or tuple of names the tokens are split over (see
@@ -419,7 +420,7 @@ class MoE(Module):
         loss = self.balance_weight * balance + self.z_weight * z
         f32 = jnp.float32
         return {
-            "loss": loss.astype(f32),
+            "aux_loss": loss.astype(f32),
             "balance_loss": balance.astype(f32),
             "z_loss": z.astype(f32),
             "load": counts.astype(f32),

@@ -423,7 +423,7 @@ def ep_value_and_grad(
 
     ``loss_fn(params, *batch)`` returns ``(loss, params)`` (or ``((loss, aux), params)``
     with `has_aux`), the loss a mean over this device's examples (plus, e.g., an
-    `MoE`'s ``aux['loss']``, which is the same on every device with ``token_axes``).
+    `MoE`'s ``aux['aux_loss']``, which is the same on every device with ``token_axes``).
     The result::
 
         loss, grads, params = f(params, *batch)

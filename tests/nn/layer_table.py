@@ -142,7 +142,7 @@ def _moe(layer, params, x):
     """The MoE output with its aux loss added, so every check also covers the router's
     losses (float32 by design: cast to the output dtype)."""
     (y, aux), params = layer(params, x)
-    return y + aux["loss"].astype(y.dtype), params
+    return y + aux["aux_loss"].astype(y.dtype), params
 
 
 # Expert kernels (E, D, F) / (E, F, D): the hidden features over 'model'.

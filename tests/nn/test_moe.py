@@ -143,7 +143,7 @@ def _both_grads(moe, params, x, case):
 
     def layer_loss(t, x):
         (y, aux), _ = moe(t.merge(rest), x)
-        return jnp.sum(y.astype(jnp.float32) * r) + aux["loss"], (y, aux)
+        return jnp.sum(y.astype(jnp.float32) * r) + aux["aux_loss"], (y, aux)
 
     def ref_loss(t, x):
         y, bal, z, load = _reference(
@@ -221,7 +221,7 @@ def test_bfloat16_params_and_inputs_match_the_reference_at_the_bf16_tolerance():
     p16 = cast_floats(params, jnp.bfloat16)
     x16 = jnp.asarray(np.asarray(x).astype(jnp.bfloat16))
     (y, aux), _ = jax.jit(moe)(p16, x16)
-    assert y.dtype == jnp.bfloat16 and aux["loss"].dtype == jnp.float32
+    assert y.dtype == jnp.bfloat16 and aux["aux_loss"].dtype == jnp.float32
     (_, gates, logits), _ = jax.jit(moe.route)(p16, x16.reshape(-1, D))
     assert gates.dtype == logits.dtype == jnp.float32  # the router runs in float32
     # The reference in float32 from the same bf16-rounded values.
@@ -334,7 +334,7 @@ def test_a_uniform_router_gives_balance_k_and_z_log_e_squared(score, k):
     (_, aux), _ = jax.jit(moe)(params.locked(), x)
     np.testing.assert_allclose(float(aux["balance_loss"]), k, rtol=1e-6)
     np.testing.assert_allclose(float(aux["z_loss"]), np.log(E) ** 2, rtol=1e-6)
-    np.testing.assert_allclose(float(aux["loss"]), 0.01 * k, rtol=1e-6)  # default weights
+    np.testing.assert_allclose(float(aux["aux_loss"]), 0.01 * k, rtol=1e-6)  # default weights
 
 
 def test_losses_equal_numpy_on_random_logits():
@@ -353,7 +353,7 @@ def test_losses_equal_numpy_on_random_logits():
     z = np.mean(lse**2)
     np.testing.assert_allclose(float(aux["balance_loss"]), balance, rtol=1e-5)
     np.testing.assert_allclose(float(aux["z_loss"]), z, rtol=1e-5)
-    np.testing.assert_allclose(float(aux["loss"]), 0.5 * balance + 0.25 * z, rtol=1e-5)
+    np.testing.assert_allclose(float(aux["aux_loss"]), 0.5 * balance + 0.25 * z, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------
@@ -398,7 +398,7 @@ def test_the_routing_bias_chooses_experts_but_never_weights_them():
         p = biased.unlocked()
         p[bias_path] = bx.Param(b, trainable=False)
         (y, aux), _ = moe(p.locked(), x)
-        return jnp.sum(y) + aux["loss"]
+        return jnp.sum(y) + aux["aux_loss"]
 
     grad = jax.jit(jax.grad(f))(biased[bias_path].value)
     np.testing.assert_array_equal(np.asarray(grad), 0.0)
@@ -459,7 +459,7 @@ def test_plain_grad_inside_shard_map_with_replicated_params_equals_one_device():
 
     def loss(t, x):
         (y, aux), _ = moe(t.merge(rest), x)
-        return jnp.sum(y * y) + aux["loss"]
+        return jnp.sum(y * y) + aux["aux_loss"]
 
     def per_shard(t, x):
         return jax.grad(lambda t: jax.lax.psum(loss(t, x), "data"))(t)

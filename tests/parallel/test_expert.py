@@ -66,7 +66,7 @@ def _init(one, rng, x):
 def _loss_fn(layer):
     def loss_fn(params, x, target):
         (y, aux), params = layer(params, x)
-        return (jnp.mean(jnp.square(y - target)) + aux["loss"], aux), params
+        return (jnp.mean(jnp.square(y - target)) + aux["aux_loss"], aux), params
 
     return loss_fn
 
@@ -383,3 +383,41 @@ def test_misuse_is_named():
 
 def _init_other(layer, rng):
     return numpy_params(layer, rng.seed(bx.Params(), seed=0), jnp.zeros((16, D))).locked()
+
+
+def test_moe_with_token_axes_under_make_dp_train_step_equals_one_device():
+    """Plain data parallelism (every device holds every expert): with
+    ``token_axes='data'`` the balancing loss and the loads are global, so
+    `make_dp_train_step` gives the one-device step's loss, params and loads."""
+    import optax
+
+    mesh = _mesh((8,), ("data",), "explicit")
+    g1 = bx.Graph("net")
+    cfg = dict(top_k=2, balance_weight=0.1, z_weight=0.01, routing_bias=True)
+    dp_moe = bx.MoE(g1 / "moe", E, F, bx.Rng(g1 / "rng"), token_axes="data", **cfg)
+    g2 = bx.Graph("net")
+    rng = bx.Rng(g2 / "rng")
+    one = bx.MoE(g2 / "moe", E, F, rng, **cfg)
+    x, target = _data(seed=2)
+    params = _init(one, rng, x)
+    tx = optax.sgd(LR)
+
+    def loss_fn(layer):
+        def f(params, x, target):
+            (y, aux), params = layer(params, x)
+            return (jnp.mean(jnp.square(y - target)) + aux["aux_loss"], aux), params
+
+        return f
+
+    step = jax.jit(bp.make_dp_train_step(loss_fn(dp_moe), tx, mesh, has_aux=True))
+    opt = tx.init(params.split()[0])
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    with jax.default_matmul_precision("highest"):
+        new, _, metrics = step(placed, jax.device_put(opt, NamedSharding(mesh, P())), x, target)
+        ref, out = _one_device_steps(one, params, x, target, 1)
+    np.testing.assert_allclose(float(metrics["loss"]), out[0][0], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(metrics["load"]), out[0][1])
+    for path, v in ref.split()[0].arrays().items():  # the reference also moved the bias
+        np.testing.assert_allclose(
+            np.asarray(new[path].value), np.asarray(v), rtol=1e-5, atol=1e-6, err_msg=str(path)
+        )
