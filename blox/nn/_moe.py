@@ -203,7 +203,9 @@ class MoE(Module):
     Call: ``(y, aux), params = moe(params, x, precision=None)``, ``x`` ``(..., D)``,
     ``y`` of the same shape. On an Explicit mesh (global mode, under ``jax.jit``) the
     layer gathers ``x`` and its parameters and computes the unsharded math; shard the
-    experts with `blox.parallel.ExpertParallelMoE` instead.
+    experts with `blox.parallel.ExpertParallelMoE` instead. Under ``jax.vmap`` the
+    dropless grouped matmul runs as a loop over the mapped axis (``ragged_dot`` has no
+    batching rule for weights shared by the mapped calls).
 
     >>> import blox as bx, jax.numpy as jnp
     >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
