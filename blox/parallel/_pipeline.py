@@ -25,11 +25,16 @@ The runtime, top to bottom:
   its microbatch, its chunk's params, residuals and state), runs `_forward_cell`,
   `_backward_cell`, `_weight_cell` or `_idle_cell` (a ``lax.switch`` whose operands are
   all of one microbatch's or one chunk's size) and writes its entries back at the top
-  level (``dynamic_update_slice``). Then the slot moves each action's activation to the
-  next virtual stage and its cotangent to the previous one (``ppermute``\\ s carrying
-  the receiver's entry, the slot's only synchronisation; circular with virtual stages)
-  and files what arrived. No buffer whose size grows with ``m`` is an operand of a
-  conditional, so a slot costs the same at any ``m``.
+  level (``dynamic_update_slice``); the cells that compute a gradient add it to the
+  chunk's accumulator (forward and idle cells do no gradient arithmetic). Then the slot
+  moves each action's activation to the next virtual stage and its cotangent to the
+  previous one: only the transfers the static program makes in that slot (`_Sends`: the
+  slot's sends grouped into partial permutations, one ``ppermute`` each, in a
+  ``lax.switch`` over the slot's pattern; under 1F1B one per slot, none where no device
+  sends), the slot's only synchronisation (circular with virtual stages). The receiver's
+  inbox entry comes from the program, so only the activation travels. No buffer whose
+  size grows with ``m`` is an operand of a conditional, so a slot costs the same at any
+  ``m``.
 
 What is stashed between a microbatch's forward and its backward: the stage's VJP
 residuals that depend on its input activation or its non-trainable state (with
@@ -37,14 +42,18 @@ residuals that depend on its input activation or its non-trainable state (with
 ``first_fn`` saw. Not stashed: residuals of the params alone (casts for mixed precision,
 transposes), computed once per step; ``last_fn``, which the last stage differentiates in
 its forward slot (it keeps only the cotangent of its output); ``first_fn``, which stage 0
-recomputes in its backward slot. A split backward (tables with ``W`` actions) keeps the
-stash until the ``W`` and, from ``B`` to ``W``, the cotangent ``B`` received: ``B``
-evaluates the stage's VJP for the input cotangent only and ``W`` for the weight gradient
-only (in each branch XLA removes the other half as dead code). For a stage of one matrix
-product B + W cost one whole backward; ``W`` re-derives the cotangents inside the stage
-from the one ``B`` kept, so a stage of ``n`` chained products runs ``3 n - 1`` of them in
-B + W against the whole backward's ``2 n`` (keeping every inner cotangent from ``B`` to
-``W`` instead would cost about one more stash per microbatch in flight).
+recomputes in its backward slot. A split backward (tables with ``W`` actions;
+`_SplitBackward`): the stage's backward is traced once as a jaxpr and cut in two. ``B``
+runs the equations the input cotangent needs and keeps what the rest reads of its values
+(the cotangents where the weights are used: ``dy`` of each ``y = x @ w``); ``W`` runs the
+rest (the weight-gradient products) from those and the stashed inputs, deriving no
+cotangent again: a stage of ``n`` chained products runs ``n`` of them in ``B`` and ``n``
+in ``W``, the whole backward's ``2 n``. ``B`` writes what it keeps over the stash
+arrays of its type that ``W`` does not read (the stash entry lives until the ``W``), and
+only what finds no such array goes to a separate buffer, so the split costs about 1F1B's
+memory. Where ``B`` would keep a weight gradient itself (an equation feeding both
+halves, e.g. a ``lax.scan`` over the stage's layers), ``W`` instead re-runs the weight
+half from the cotangent ``B`` received, as a fused backward costs.
 """
 
 from __future__ import annotations
@@ -413,6 +422,199 @@ def _rebuild_vjp(layout: _Layout, stashed: list, param_res: list) -> Any:
     return jax.tree.unflatten(layout.treedef, leaves)
 
 
+# -- the split backward: B (the input cotangent) and W (the weight gradient) -----------------
+# The stage's backward, traced once as a jaxpr of (stashed residuals, residuals of the
+# params, output cotangent) -> (weight gradient, input cotangent), its calls inlined.
+# B runs the equations the input cotangent needs and keeps the values the rest reads
+# that it computed (the cotangents where the weights are used, e.g. ``dy`` of each
+# ``y = x @ w``); W runs the rest from those, the stash and the params: together one
+# backward, no cotangent derived twice.
+_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"})
+
+
+class _Eqn(NamedTuple):
+    """One equation of the flattened backward: ``prim`` None copies ``ins[0]``. Atoms are
+    `Literal`\\ s or keys ``(scope, var)`` (a jaxpr inlined twice gets two scopes)."""
+
+    prim: Any
+    params: dict
+    ins: tuple
+    outs: tuple
+
+
+class _SplitBackward(NamedTuple):
+    """The backward's equations and which of them B and W run (see above).
+
+    Attributes:
+      eqns: the flattened equations.
+      consts: ``{key: value}`` of the jaxprs' constants.
+      ins: keys of the inputs: stashed residuals, residuals of the params, cotangent.
+      outs: atoms of the outputs: the weight-gradient leaves, then the input cotangent's.
+      n_res: how many inputs are stashed residuals.
+      n_tr: how many outputs are weight-gradient leaves.
+      out_tree: the outputs' tree structure ``(d_tr, d_h)``.
+      b, w: the equations (indices, in order) B and W run.
+      keep: the keys B keeps for W.
+      slots: per kept value, the stash array of the microbatch's entry B overwrites with
+        it (the stash entry lives until W; a value the stash had no free array of its
+        type for: None, kept in the ``wgrad`` buffer from B to W).
+      extra_avals: the types of the values kept in the ``wgrad`` buffer.
+    """
+
+    eqns: tuple
+    consts: dict
+    ins: tuple
+    outs: tuple
+    n_res: int
+    n_tr: int
+    out_tree: Any
+    b: tuple
+    w: tuple
+    keep: tuple
+    slots: tuple
+    extra_avals: tuple
+
+
+def _flatten(jaxpr: Any, consts: list, scope: list, env_in: list, out: list, cvals: dict):
+    """Appends `jaxpr`'s equations to `out` (calls inlined, each in a new scope); returns
+    the atoms of its outputs."""
+    me = (len(scope),)
+    scope.append(None)
+    key = lambda v: v if isinstance(v, Literal) else (me, v)  # noqa: E731
+    for cv, val in zip(jaxpr.constvars, consts, strict=True):
+        cvals[key(cv)] = val
+    for iv, atom in zip(jaxpr.invars, env_in, strict=True):
+        out.append(_Eqn(None, {}, (atom,), (key(iv),)))
+    for eqn in jaxpr.eqns:
+        sub = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINE else None
+        inner = getattr(sub, "jaxpr", sub)
+        if inner is not None and len(inner.invars) == len(eqn.invars):
+            got = _flatten(
+                inner, list(getattr(sub, "consts", ())), scope, [key(a) for a in eqn.invars],
+                out, cvals,
+            )  # fmt: skip
+            for o, atom in zip(eqn.outvars, got, strict=True):
+                out.append(_Eqn(None, {}, (atom,), (key(o),)))
+            continue
+        out.append(_Eqn(eqn.primitive, eqn.params, tuple(map(key, eqn.invars)),
+                        tuple(map(key, eqn.outvars))))  # fmt: skip
+    return [key(v) for v in jaxpr.outvars]
+
+
+def _split_backward(layout: _Layout, stash: list, param_res: list, h: Any) -> _SplitBackward:
+    """Traces the stage's backward (abstractly) and splits it between B and W."""
+    closed = jax.make_jaxpr(
+        lambda res, pres, ct: jax.tree.leaves(_rebuild_vjp(layout, res, pres)(ct))
+    )(stash, param_res, h)
+    shape = jax.eval_shape(lambda: _rebuild_vjp(layout, stash, param_res)(h))
+    out_tree = jax.tree.structure(shape)
+    n_tr = len(jax.tree.leaves(shape[0]))
+    eqns: list = []
+    cvals: dict = {}
+    ins = [((-1,), v) for v in closed.jaxpr.invars]
+    outs = _flatten(closed.jaxpr, list(closed.consts), [], ins, eqns, cvals)
+    n_res, n_pres = len(stash), len(param_res)
+    res_in, ct_in = set(ins[:n_res]), set(ins[n_res + n_pres :])
+    per_mb = res_in | ct_in  # values that differ per microbatch
+    for e in eqns:
+        if any(a in per_mb for a in e.ins if not isinstance(a, Literal)):
+            per_mb.update(e.outs)
+
+    def walk(roots, stop):
+        need = {a for a in roots if not isinstance(a, Literal)}
+        run, cut = [], set()
+        for i in range(len(eqns) - 1, -1, -1):
+            e = eqns[i]
+            wanted = [o for o in e.outs if o in need]
+            if not wanted:
+                continue
+            if stop(i):
+                cut.update(wanted)
+                continue
+            run.append(i)
+            need.update(a for a in e.ins if not isinstance(a, Literal))
+        return run[::-1], cut, need
+
+    b, _, _ = walk(outs[n_tr:], lambda i: False)
+    in_b = set(b)
+    # W stops at the per-microbatch values B computes; it recomputes those of the params.
+    w, cut, need = walk(outs[:n_tr], lambda i: i in in_b and eqns[i].outs[0] in per_mb)
+    # (W reads no stash entry: the schedule frees it after B, which copies W's part)
+    if cut & {a for a in outs[:n_tr] if not isinstance(a, Literal)}:
+        # B computes a weight gradient itself (an equation that also feeds the input
+        # cotangent, e.g. a scan over layers): keeping it would stash parameter-sized
+        # values per microbatch; W re-runs the weight half from the cotangent instead.
+        w, cut, need = walk(outs[:n_tr], lambda i: False)
+    keep = sorted(cut | (need & (ct_in | res_in)), key=lambda k: (k[0], str(k[1])))
+    avals = {}
+    for v in closed.jaxpr.invars:
+        avals[((-1,), v)] = v.aval
+    for e in eqns:
+        for o in e.outs:
+            avals.setdefault(o, getattr(o[1], "aval", None))
+
+    def aval(k):
+        a = avals.get(k)
+        while a is None:  # an alias: its source's type
+            src = next(e.ins[0] for e in eqns if k in e.outs)
+            a, k = (src.aval if isinstance(src, Literal) else avals.get(src)), src
+        return a
+
+    # Each kept value goes to a stash array of its type that W does not read (a stashed
+    # value W reads stays where it is).
+    kind = lambda a: (tuple(a.shape), a.dtype, _aval_vma(a))  # noqa: E731
+    res_keys = list(ins[:n_res])
+    slots: list = [res_keys.index(k) if k in res_in else None for k in keep]
+    free = [j for j, k in enumerate(res_keys) if k not in keep]
+    for i, k in enumerate(keep):
+        if slots[i] is None:
+            j = next((j for j in free if kind(stash[j].aval if hasattr(stash[j], "aval")
+                      else jax.typeof(stash[j])) == kind(aval(k))), None)  # fmt: skip
+            if j is not None:
+                free.remove(j)
+                slots[i] = j
+    extra = tuple(aval(k) for k, j in zip(keep, slots, strict=True) if j is None)
+    return _SplitBackward(
+        tuple(eqns), cvals, tuple(ins), tuple(outs), n_res, n_tr, out_tree, tuple(b), tuple(w),
+        tuple(keep), tuple(slots), extra,
+    )  # fmt: skip
+
+
+def _run_eqns(sb: _SplitBackward, env: dict, which: tuple) -> None:
+    """Evaluates the equations `which` of `sb` into `env` (``{key: value}``)."""
+    read = lambda a: a.val if isinstance(a, Literal) else env[a]  # noqa: E731
+    for i in which:
+        e = sb.eqns[i]
+        vals = [read(a) for a in e.ins]
+        if e.prim is None:
+            env[e.outs[0]] = vals[0]
+            continue
+        got = e.prim.bind(*vals, **e.prim.get_bind_params(e.params))
+        env.update(zip(e.outs, got if e.prim.multiple_results else [got], strict=True))
+
+
+def _backward_input(sb: _SplitBackward, res: list, pres: list, ct: Any) -> tuple[Any, list]:
+    """B: the input cotangent and the values W needs."""
+    env = dict(sb.consts)
+    env.update(zip(sb.ins, [*res, *pres, *jax.tree.leaves(ct)], strict=True))
+    _run_eqns(sb, env, sb.b)
+    read = lambda a: a.val if isinstance(a, Literal) else env[a]  # noqa: E731
+    leaves = [jnp.zeros(()) for _ in range(sb.n_tr)] + [read(a) for a in sb.outs[sb.n_tr :]]
+    return jax.tree.unflatten(sb.out_tree, leaves)[1], [env[k] for k in sb.keep]
+
+
+def _backward_weight(sb: _SplitBackward, pres: list, kept: list) -> Params:
+    """W: the weight gradient from what B kept (and the residuals of the params)."""
+    env = dict(sb.consts)
+    env.update(zip(sb.ins[sb.n_res : sb.n_res + len(pres)], pres, strict=True))
+    env.update(zip(sb.keep, kept, strict=True))
+    _run_eqns(sb, env, sb.w)
+    read = lambda a: a.val if isinstance(a, Literal) else env[a]  # noqa: E731
+    leaves = [read(a) for a in sb.outs[: sb.n_tr]]
+    n_h = len(sb.outs) - sb.n_tr
+    return jax.tree.unflatten(sb.out_tree, leaves + [jnp.zeros(())] * n_h)[0]
+
+
 # -- one time slot ------------------------------------------------------------------------------
 # The columns of `Schedule.program()` the runtime reads per action, in this order (one
 # int32 array (T, p, lanes, 9) indexed once per slot).
@@ -430,6 +632,7 @@ class _Ctx(NamedTuple):
     program: jax.Array  # (T, p, lanes, 9) int32: `_COLUMNS` of every action
     lane_kinds: tuple[tuple[int, ...], ...]  # per lane, the kinds it ever runs (IDLE first)
     split: bool  # the table splits the backward into B (input) and W (weights)
+    split_bwd: _SplitBackward | None  # what B and W each run (split tables)
     num_stages: int  # p devices
     num_virtual: int  # v * p virtual stages
     stage: jax.Array  # this device's index on the stage axis
@@ -476,7 +679,7 @@ class _CellIn(NamedTuple):
 
     h_in: Any
     ct_in: Any
-    ct_kept: Any  # W: the cotangent its B kept
+    kept: list  # W: what its B kept (`_SplitBackward.keep`)
     stash_in: tuple[list, Params]
     x: Any
     y: Any
@@ -495,6 +698,7 @@ class _CellOut(NamedTuple):
     send: Any  # F: the activation for the next virtual stage; B: the input cotangent
     ct_own: Any  # last virtual stage: the cotangent of its output, for its own backward
     stash_out: tuple[list, Params]  # the stash entry to write (unchanged if no forward)
+    kept: list  # B: what W will need (others: the entry they read, unchanged)
     g: Params  # the chunk's gradient accumulator, plus what this action adds
     g_sh: Params
     terms: _Terms
@@ -551,7 +755,7 @@ def _forward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
     )
     avals = _stash_avals(c.layout)
     stash = ([_vary(v, _aval_vma(a)) for v, a in zip(res, avals, strict=True)], st_in)
-    return _CellOut(h_out, ct_own, stash, x.g, g_sh, terms, st, st_sh)
+    return _CellOut(h_out, ct_own, stash, x.kept, x.g, g_sh, terms, st, st_sh)
 
 
 def _first_pullback(c: _Ctx, x: _CellIn, d_h: Any) -> Params:
@@ -569,28 +773,42 @@ def _first_pullback(c: _Ctx, x: _CellIn, d_h: Any) -> Params:
 def _backward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
     """Backward of one microbatch from its stash: the cotangent of the stage input (sent
     to the previous virtual stage) and, unless the table has W actions, the gradient of
-    the chunk's params. With a split backward the weight half of the VJP is dead code in
-    this branch (XLA removes it); `_weight_cell` computes it later."""
-    res, _ = x.stash_in
-    d_tr, d_h = _rebuild_vjp(c.layout, res, x.param_res)(x.ct_in)
-    g = x.g if c.split else jax.tree.map(_plus, x.g, d_tr)
+    the chunk's params. With a split backward it runs B's part of the backward
+    (`_SplitBackward`) and keeps what W needs; `_weight_cell` finishes it later."""
+    res, st_sh_seen = x.stash_in
+    kept, stash = x.kept, x.stash_in
+    if c.split:
+        d_h, values = _backward_input(c.split_bwd, res, x.param_res, x.ct_in)
+        res, kept = list(res), []
+        for value, j in zip(values, c.split_bwd.slots, strict=True):
+            if j is None:
+                kept.append(value)
+            else:
+                res[j] = value
+        stash = (res, st_sh_seen)
+        g = x.g
+    else:
+        d_tr, d_h = _rebuild_vjp(c.layout, res, x.param_res)(x.ct_in)
+        g = jax.tree.map(_plus, x.g, d_tr)
     g_sh = _first_pullback(c, x, d_h)
-    return _CellOut(d_h, c.h_zero, x.stash_in, g, g_sh, c.no_terms, x.st, x.st_sh)
+    return _CellOut(d_h, c.h_zero, stash, kept, g, g_sh, c.no_terms, x.st, x.st_sh)
 
 
 def _weight_cell(c: _Ctx, x: _CellIn) -> _CellOut:
-    """The weight half of a split backward: the chunk's gradient from the stash and the
-    cotangent its B kept (the input-cotangent half is dead code here)."""
+    """The weight half of a split backward: the chunk's gradient from what its B kept
+    in the stash entry (and in the ``wgrad`` entry), no cotangent derived again."""
     res, _ = x.stash_in
-    d_tr, _ = _rebuild_vjp(c.layout, res, x.param_res)(x.ct_kept)
+    extra = iter(x.kept)
+    kept = [next(extra) if j is None else res[j] for j in c.split_bwd.slots]
+    d_tr = _backward_weight(c.split_bwd, x.param_res, kept)
     g = jax.tree.map(_plus, x.g, d_tr)
     z = c.h_zero
-    return _CellOut(z, z, x.stash_in, g, x.g_sh, c.no_terms, x.st, x.st_sh)
+    return _CellOut(z, z, x.stash_in, x.kept, g, x.g_sh, c.no_terms, x.st, x.st_sh)
 
 
 def _idle_cell(c: _Ctx, x: _CellIn) -> _CellOut:
     z = c.h_zero
-    return _CellOut(z, z, x.stash_in, x.g, x.g_sh, c.no_terms, x.st, x.st_sh)
+    return _CellOut(z, z, x.stash_in, x.kept, x.g, x.g_sh, c.no_terms, x.st, x.st_sh)
 
 
 _CELLS = {IDLE: _idle_cell, FORWARD: _forward_cell, BACKWARD: _backward_cell, WEIGHT: _weight_cell}
@@ -720,7 +938,7 @@ def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, a: jax.Array, pr
     x = _CellIn(
         _take(bufs.inbox_f, a[_IN_F]),
         _take(bufs.inbox_b, a[_IN_B]),
-        _take(bufs.wgrad, a[_WGRAD]) if c.split else c.h_zero,
+        _take(bufs.wgrad, a[_WGRAD]) if c.split else [],
         _take(bufs.stash, a[_STASH]),
         _take(xs, a[_MB]),
         _take(ys, a[_MB]),
@@ -742,8 +960,8 @@ def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, a: jax.Array, pr
     # (an unconditional write: the other cells return the entry they read, which costs
     # less than a select between the old and the new entry)
     bufs = bufs._replace(stash=_put(bufs.stash, a[_STASH], out.stash_out))
-    if c.split:  # B keeps the cotangent it received for its W
-        bufs = bufs._replace(wgrad=_put(bufs.wgrad, a[_WGRAD], x.ct_in, kind == BACKWARD))
+    if c.split:  # what B keeps for its W (the other cells write back what they read)
+        bufs = bufs._replace(wgrad=_put(bufs.wgrad, a[_WGRAD], out.kept))
     acc = _Acc(
         _set_row(c, acc.g, chunk, out.g),
         out.g_sh,
@@ -1115,6 +1333,7 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
     ]
     param_res = [jnp.stack(leaves) for leaves in zip(*per_chunk, strict=True)]
     prog = sched.program()
+    stash0 = [_vary(jnp.zeros(a.shape, a.dtype), _aval_vma(a)) for a in _stash_avals(layout)]
     table = np.stack([np.asarray(getattr(prog, name), np.int32) for name in _COLUMNS], -1)
     kinds_np = table[..., _KIND]
     lane_kinds = tuple(
@@ -1128,6 +1347,11 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
         program=jnp.asarray(table),
         lane_kinds=lane_kinds,
         split=split,
+        split_bwd=(
+            _split_backward(layout, stash0, _take(param_res, jnp.int32(0)), h_zero)
+            if split
+            else None
+        ),
         num_stages=p,
         num_virtual=v * p,
         stage=stage,
@@ -1157,7 +1381,7 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
         (ring(sizes["stash"], _stash_avals(layout)), ring_like(sizes["stash"], st_sh)),
         ring_like(sizes["inbox_f"], h_zero),
         ring_like(sizes["inbox_b"], h_zero),
-        ring_like(sizes["wgrad"], h_zero) if split else (),
+        ring(sizes["wgrad"], c.split_bwd.extra_avals) if split else [],
     )
     acc = _Acc(_acc_zeros(tr, cfg.reduce), _acc_zeros(tr_sh, cfg.reduce), no_terms, st, st_sh)
     (_, acc), _ = lax.scan(
