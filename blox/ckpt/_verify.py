@@ -12,12 +12,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from os import PathLike
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 
 from blox.ckpt._checksum import PY_DTYPES, host_checksum
 from blox.ckpt._errors import summary
@@ -211,7 +211,7 @@ def verify(
     >>> rows[0].ok
     True
     """
-    path = epath.Path(directory)
+    path = Path(directory)
     if not path.is_dir():
         raise ValueError(f"verify: {str(directory)!r} is not a directory.")
     steps = sorted(ocp.utils.checkpoint_steps(path))  # finalized (committed) steps only

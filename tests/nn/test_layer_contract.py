@@ -311,9 +311,10 @@ def test_wrong_rules_are_named():
 #     single-device call on that shard (`jax.vmap` over the two shards, itself checked
 #     against a Python loop above). Explicit mesh only: inside `shard_map` every axis is
 #     manual, so the program is the same on an Auto mesh.
-# (b) `make_dp_train_step` (SGD, lr 1) on an Explicit and an Auto mesh (the step's code
-#     outside `shard_map` differs): the loss and the updated params equal the mean over the
-#     shards of single-device `value_and_grad` results, no DP code involved.
+# (b) `make_dp_train_step` (SGD, lr 1, the row's Rng in ``rngs=``) on an Explicit and an
+#     Auto mesh (the step's code outside `shard_map` differs): the loss and the updated
+#     params equal the mean over the shards of single-device `value_and_grad` results, each
+#     shard's seed folded with its index, no DP code involved.
 # (c) a two-stage `pipeline_value_and_grad` (1F1B, 2 microbatches) whose stages each run
 #     the layer: loss, stage gradients and non-trainable state equal the same stages run
 #     one after the other on one device under plain `jax.value_and_grad`.
@@ -392,16 +393,20 @@ def test_inside_shard_map_each_shard_equals_the_single_device_run(name):
 
 def _dp_reference(b, x):
     """One SGD step (lr 1) on the mean over the shards of each shard's single-device
-    loss and gradients (no DP code): floating non-trainable state averaged over them."""
+    loss and gradients (no DP code): floating non-trainable state averaged over them.
+    Shard i draws its keys from the seed folded with i (the step's ``rngs=``), and the
+    seed is put back after."""
     train, rest = b.params.split()
 
-    def loss(t, x):
-        y, new = b.call(t.merge(rest), x)
-        return _sq_loss(y), new
+    def loss(t, x, i):
+        params = t.merge(rest)
+        seed = b.rng.get_seed(params)
+        y, new = b.call(b.rng.seed(params, seed=jax.random.fold_in(seed, i)), x)
+        return _sq_loss(y), b.rng.seed(new, seed=seed)
 
-    (losses, news), grads = jax.vmap(jax.value_and_grad(loss, has_aux=True), in_axes=(None, 0))(
-        train, _split(x, N_SHARDS)
-    )
+    (losses, news), grads = jax.vmap(
+        jax.value_and_grad(loss, has_aux=True), in_axes=(None, 0, 0)
+    )(train, _split(x, N_SHARDS), jnp.arange(N_SHARDS))
     grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
     new_train = jax.tree.map(lambda p, g: p - g, train, grads)
 
@@ -425,7 +430,8 @@ def test_make_dp_train_step_equals_the_mean_of_single_device_shard_steps(name, k
         y, params = b.call(params, x)
         return _sq_loss(y), params
 
-    step = jax.jit(bp.make_dp_train_step(loss_fn, tx, m))
+    # every row's Rng listed: a row that draws (Dropout) draws per-shard keys
+    step = jax.jit(bp.make_dp_train_step(loss_fn, tx, m, rngs=[b.rng]))
     params = _place(b.params, m, P())
     with jax.default_matmul_precision("highest"):
         new, _, metrics = step(params, tx.init(params.split()[0]), b.x)
