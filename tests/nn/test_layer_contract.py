@@ -404,9 +404,9 @@ def _dp_reference(b, x):
         y, new = b.call(b.rng.seed(params, seed=jax.random.fold_in(seed, i)), x)
         return _sq_loss(y), b.rng.seed(new, seed=seed)
 
-    (losses, news), grads = jax.vmap(
-        jax.value_and_grad(loss, has_aux=True), in_axes=(None, 0, 0)
-    )(train, _split(x, N_SHARDS), jnp.arange(N_SHARDS))
+    (losses, news), grads = jax.vmap(jax.value_and_grad(loss, has_aux=True), in_axes=(None, 0, 0))(
+        train, _split(x, N_SHARDS), jnp.arange(N_SHARDS)
+    )
     grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
     new_train = jax.tree.map(lambda p, g: p - g, train, grads)
 
