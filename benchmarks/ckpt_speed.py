@@ -13,10 +13,16 @@ until the step is committed (``wait()``) is reported too. Restore is the wall ti
 ``restore()`` of the latest step into an abstract target, arrays ready. Medians over the
 repeats, on local disk (a temporary directory).
 
-First save: a fresh manager saves 4 steps of a state replicated over all local devices
-(on CPU, 8 simulated devices unless XLA_FLAGS sets a count); the first ``save()`` call's
-blocked time is compared with the median of the three later ones. Each repeat uses new
-shapes, so no program compiled by an earlier repeat is reused.
+First save: a fresh manager saves 4 steps, and the first ``save()`` call's blocked time
+is compared with the median of the three later ones, for two states: the one above, and
+a small one replicated over all local devices (on CPU, 8 simulated devices unless
+XLA_FLAGS sets a count). Each is measured with three ways of starting the checksums,
+same run, their order rotated per repeat: as ``CheckpointManager`` does (``now``: no copy
+and no compilation in ``save``), as it did before (``before``: leaves up to 1 MiB copied
+to the host and summed in ``save``, the others summed by a program compiled in ``save``),
+and none (``off``: the step has no checksums; a benchmark-only switch). Every manager
+gets new shapes, so no program compiled for another one is reused; a manager's close
+waits for its background compilation, so none runs into the next measurement.
 """
 
 from __future__ import annotations
@@ -46,6 +52,28 @@ import _timing  # noqa: E402
 
 import blox as bx  # noqa: E402
 from blox import ckpt  # noqa: E402
+from blox.ckpt import _checksum  # noqa: E402
+
+
+class _Before:
+    """Starts the checksums as ``save`` did before: small leaves copied and summed on the
+    host, the others by a program compiled and dispatched in ``save``."""
+
+    start = staticmethod(_checksum.start_checksums)
+
+    def wait(self) -> None:
+        pass
+
+
+class _Off(_Before):
+    """No checksums (benchmark only: such a step restores only with allow_unverified)."""
+
+    @staticmethod
+    def start(named_leaves):
+        return _checksum.PendingChecksums({})
+
+
+CHECKSUM_MODES = {"now": None, "before": _Before, "off": _Off}
 
 
 def build(width: int, layers: int):
@@ -102,23 +130,43 @@ def dp_state(width: int):
     return {**state, "step": 0}
 
 
-def time_first_saves(root: Path, repeats: int):
-    """(first save's blocked time, median of the next three) per repeat, new shapes each."""
-    firsts, laters = [], []
+def time_first_saves(root: Path, make_state, repeats: int):
+    """{mode: (first save's blocked time, median of the next three) per repeat}, every
+    manager with new shapes (``make_state(k)``), the modes' order rotated per repeat."""
+    out = {mode: [] for mode in CHECKSUM_MODES}
+    modes = list(CHECKSUM_MODES)
     for r in range(repeats):
-        state = dp_state(256 + 8 * r)
-        blocked = []
-        with ckpt.CheckpointManager(root / f"first_{r}", max_to_keep=2) as mngr:
-            for i in range(1, 5):
-                s = dict(state, step=i)
-                jax.block_until_ready(s)
-                t0 = time.perf_counter()
-                mngr.save(i, s)
-                blocked.append(time.perf_counter() - t0)
-                mngr.wait()
-        firsts.append(blocked[0])
-        laters.append(statistics.median(blocked[1:]))
-    return firsts, laters
+        for j in range(len(modes)):
+            mode = modes[(r + j) % len(modes)]
+            state = make_state(len(modes) * r + j)
+            blocked = []
+            with ckpt.CheckpointManager(root / f"first_{r}_{mode}", max_to_keep=2) as mngr:
+                if CHECKSUM_MODES[mode] is not None:
+                    mngr._checksums = CHECKSUM_MODES[mode]()
+                for i in range(1, 5):
+                    s = dict(state, step=i)
+                    jax.block_until_ready(s)
+                    t0 = time.perf_counter()
+                    mngr.save(i, s)
+                    blocked.append(time.perf_counter() - t0)
+                    mngr.wait()
+            out[mode].append((blocked[0], statistics.median(blocked[1:])))
+            del state
+    return out
+
+
+def first_rows(times) -> list[list[str]]:
+    """Table rows: per mode, the medians of the first and of the later saves (ms)."""
+    rows = []
+    for mode, pairs in times.items():
+        first = statistics.median(p[0] for p in pairs)
+        later = statistics.median(p[1] for p in pairs)
+        rows.append([mode, f"{first * 1e3:.0f}", f"{later * 1e3:.0f}"])
+    return rows
+
+
+def median_first(times, mode: str) -> float:
+    return statistics.median(p[0] for p in times[mode])
 
 
 def time_restores(root: Path, state, repeats: int):
@@ -160,9 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                         f"{results[mode][1]:.3f}s")  # fmt: skip
         restore = statistics.median(time_restores(tmp / "async_True", state, repeats))
         _timing.log(f"restore {restore:.3f}s")
-        firsts, laters = time_first_saves(tmp, repeats)
-        first, later = statistics.median(firsts), statistics.median(laters)
-        _timing.log(f"first save blocked {first:.3f}s, later {later:.3f}s")
+        del state
+        firsts = {
+            "big": time_first_saves(tmp / "big", lambda k: build(width + 8 * k, layers), repeats),
+            "dp": time_first_saves(tmp / "dp", lambda k: dp_state(256 + 8 * k), repeats),
+        }
+        for which, times in firsts.items():
+            for row in first_rows(times):
+                _timing.log(f"first save ({which}) {row[0]}: first {row[1]} ms, later {row[2]} ms")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -191,26 +244,40 @@ def main(argv: list[str] | None = None) -> int:
         "returns once the arrays are copied to host memory, and a background thread writes "
         "them. Restore reads every array into the target's shardings and checks it against "
         'the checksum saved with it; "until committed" includes computing those checksums '
-        "(on the device, after the host copy, so an async save does not wait for them).",
+        "(one program for all leaves, dispatched after the host copy, so an async save "
+        "does not wait for them).",
         "",
-        f"First save of a run: a dp_classifier-sized MLP (64 -> 256 -> 256 -> 10, Adam) "
-        f"replicated over {jax.local_device_count()} devices, median of {repeats} fresh "
-        "managers (new shapes each):",
+        "First save of a manager, blocked time (ms), median of "
+        f"{repeats} fresh managers per row (new shapes each), with the checksums started "
+        "`now` (no copy and no compilation in `save`: the first save copies each leaf "
+        "asynchronously to host memory, summed in the commit thread, while one program "
+        "for all leaves compiles in a background thread; later saves dispatch it), "
+        "`before` (leaves up to 1 MiB copied to the host and summed in `save`, the "
+        "others summed by a program compiled in `save`) and `off` (no checksums):",
         "",
         _timing.format_table(
-            ["async save", "loop blocked (ms)"],
+            ["state", "checksums", "first save (ms)", "later saves (ms, median of 3)"],
             [
-                ["first save of the manager", f"{first * 1e3:.0f}"],
-                ["later saves (median of 3)", f"{later * 1e3:.0f}"],
+                [label, *row]
+                for label, which in (
+                    (f"{mb_total:.0f} MB (above)", "big"),
+                    (f"MLP 64-256-256-10 + Adam, replicated x{jax.local_device_count()}", "dp"),
+                )
+                for row in first_rows(firsts[which])
             ],
         ),
         "",
-        f"The first save blocks {first / later:.1f}x as long as the later ones. Orbax "
-        "writes a replicated array cooperatively (each replica slices out its part on "
-        "device, one small program compiled per array shape during the first save); "
-        "`CheckpointManager` does this only for slices of at least 16 MiB per replica, and "
-        "sums the checksums of small arrays on the host, so a small state's first save "
-        "compiles nothing.",
+        *[
+            f"- {label}: the first save blocks {median_first(t, 'now') * 1e3:.0f} ms, "
+            f"{median_first(t, 'now') / median_first(t, 'off'):.2f}x the same save without "
+            f"checksums ({median_first(t, 'before') * 1e3:.0f} ms before)."
+            for label, t in (("Large state", firsts["big"]), ("Small state", firsts["dp"]))
+        ],
+        "",
+        "Orbax writes a replicated array cooperatively (each replica slices out its part "
+        "on device, one small program compiled per array shape during the first save); "
+        "`CheckpointManager` does this only for slices of at least 16 MiB per replica, so "
+        "a small state's first save compiles nothing.",
     ]
     _timing.publish("\n".join(lines), args.out, "ckpt_speed")
     return 0

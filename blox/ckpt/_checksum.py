@@ -15,10 +15,19 @@ modulo 2**32. Integer addition is exact and associative, so any sharding (and an
 reduction order) gives the same sums. One changed word always changes both sums; several
 changes would have to cancel in both at once. Up to 32 bits a word is an element, so the
 sums of those dtypes are the ones earlier versions wrote.
+
+A save never waits for the sums (`Checksummer`): once a program summing every leaf of a
+state layout is compiled (in a background thread, during the first save of that layout),
+each save dispatches it, one program for all leaves, and the commit thread reads the
+results. Until then (the first save) each leaf is copied asynchronously to host memory and
+the commit thread sums the copies with NumPy, shard by shard, with the same arithmetic.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -27,8 +36,8 @@ import numpy as np
 
 __all__: list[str] = []
 
-# Leaves up to this size are summed on the host: copying them costs less than compiling
-# the device program (which happens once per state layout, during the first save).
+# On restore, leaves up to this size are summed on the host: copying them costs less than
+# compiling the device program.
 HOST_BYTES = 2**20
 
 _K1, _K2, _K3 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35
@@ -116,13 +125,39 @@ def _device_sums(leaves: list[jax.Array]) -> list[jax.Array]:
     return [_sums(x) for x in leaves]
 
 
-def _host_sums(x: Any) -> tuple[int, int]:
-    b = _host_words(np.asarray(x))
-    i = np.arange(b.size, dtype=np.uint64).astype(np.uint32)
+def _mix(b: np.ndarray, i: np.ndarray) -> tuple[int, int]:
+    """The two sums (modulo 2**32) of the words `b` at the flat word indices `i`."""
     with np.errstate(over="ignore"):
         h1 = b * (i * np.uint32(2) + np.uint32(1))
         h2 = (b ^ (i * np.uint32(_K1))) * np.uint32(_K2) + (i * np.uint32(_K3))
         return int(h1.sum(dtype=np.uint32)), int(h2.sum(dtype=np.uint32))
+
+
+def _host_sums(x: Any) -> tuple[int, int]:
+    b = _host_words(np.asarray(x))
+    return _mix(b, np.arange(b.size, dtype=np.uint64).astype(np.uint32))
+
+
+def _part_sums(
+    part: np.ndarray, starts: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[int, int]:
+    """The sums of the block `part` of an array of `shape` whose first element sits at
+    `starts`: its words at their flat word indices in the whole array (the sums of the
+    blocks of a tiling add up, modulo 2**32, to the array's)."""
+    if part.size == 0:
+        return 0, 0
+    b = _host_words(part)
+    words = b.size // part.size  # per element
+    index = np.zeros(part.shape, np.uint64)  # the element's flat index in the whole array
+    stride = 1
+    for dim in range(len(shape) - 1, -1, -1):
+        at = np.arange(part.shape[dim], dtype=np.uint64) + np.uint64(starts[dim])
+        view = [1] * len(shape)
+        view[dim] = -1
+        index += at.reshape(view) * np.uint64(stride % 2**64)
+        stride *= shape[dim]
+    i = index.reshape(-1, 1) * np.uint64(words) + np.arange(words, dtype=np.uint64)
+    return _mix(b, i.reshape(-1).astype(np.uint32))  # wraps modulo 2**32, as on the device
 
 
 def host_checksum(x: Any) -> str:
@@ -140,27 +175,187 @@ def _replicated_value(x: jax.Array) -> np.ndarray:
     return np.asarray(x.addressable_data(0))
 
 
+class _Snapshot:
+    """A leaf copied (asynchronously) to host memory: one block per distinct shard."""
+
+    def __init__(self, x: jax.Array):
+        self.shape, self.dtype = tuple(x.shape), np.dtype(x.dtype)
+        if x.is_fully_replicated:  # one copy of the whole array
+            blocks = [((0,) * x.ndim, x.addressable_data(0))]
+        else:
+            blocks = [
+                (tuple(sl.indices(n)[0] for sl, n in zip(s.index, x.shape, strict=True)), s.data)
+                for s in x.addressable_shards
+                if s.replica_id == 0
+            ]
+        self.parts: list[tuple[tuple[int, ...], jax.Array]] = []
+        for starts, data in blocks:
+            device = next(iter(data.devices()))
+            host = jax.sharding.SingleDeviceSharding(device, memory_kind=_host_memory(device))
+            self.parts.append((starts, jax.device_put(data, host, may_alias=False)))
+
+    def checksum(self) -> str:
+        a = b = 0
+        for starts, part in self.parts:
+            pa, pb = _part_sums(np.asarray(part), starts, self.shape)
+            a, b = (a + pa) % 2**32, (b + pb) % 2**32
+        return f"{a:08x}-{b:08x}"
+
+
+def _host_memory(device: Any) -> str | None:
+    """The host memory kind a device can copy into asynchronously (None: none)."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
+
+
 class PendingChecksums:
-    """Checksums being computed: the host ones are done, the device ones dispatched."""
+    """Checksums being computed: the host ones are done, the device ones dispatched, the
+    snapshots' copies to host memory under way."""
 
-    def __init__(self, done: dict[str, str], names: list[str], sums: list[jax.Array]):
-        self.done, self.names, self.sums = done, names, sums
-
-    def ready(self) -> bool:
-        """Whether every device result is computed (never blocks)."""
-        return all(s.is_ready() for s in self.sums)
+    def __init__(
+        self,
+        done: dict[str, str],
+        names: list[str] = (),  # type: ignore[assignment]
+        sums: list[jax.Array] = (),  # type: ignore[assignment]
+        snapshots: dict[str, _Snapshot] | None = None,
+        then: Callable[[], None] | None = None,
+    ):
+        self.done, self.names, self.sums = done, list(names), list(sums)
+        self.snapshots = snapshots or {}
+        self.then = then  # run by `result` once done (in the thread that asks)
 
     def result(self) -> dict[str, str]:
-        """``{name: 'xxxxxxxx-xxxxxxxx'}`` (blocks until the device sums are computed)."""
+        """``{name: 'xxxxxxxx-xxxxxxxx'}`` (blocks until the device sums are computed and
+        sums the snapshots)."""
         out = dict(self.done)
         for name, s in zip(self.names, self.sums, strict=True):
             a, b = (int(v) for v in _replicated_value(s))
             out[name] = f"{a:08x}-{b:08x}"
+        for name, snapshot in self.snapshots.items():
+            out[name] = snapshot.checksum()
+        self.snapshots = {}  # frees the host copies
+        if self.then is not None:
+            self.then, then = None, self.then
+            then()
         return out
 
 
+class Checksummer:
+    """Starts the checksums of the states a `CheckpointManager` saves, without making the
+    caller wait for a copy or a compilation.
+
+    Per state layout (the leaves' shapes, dtypes and shardings) one program sums every
+    array leaf (one per set of devices, when leaves are committed to different ones). It
+    is compiled in a background thread started by the first save of that layout. A save
+    whose program is compiled dispatches it (asynchronous; the commit thread reads the
+    results); until then (the first save) each leaf is copied asynchronously to host
+    memory (one replica of each shard) and the commit thread sums the copies with NumPy.
+    Both are safe against the arrays being donated right after `save`. When the leaves
+    span several processes (each holds part of them) the program is compiled and
+    dispatched by the caller, so that every process runs it in the same order; such a
+    run's first save waits for the compilation.
+    """
+
+    def __init__(self) -> None:
+        self._compiled: dict[Any, Future] = {}  # layout -> done once the program is compiled
+        self._lock = threading.Lock()
+
+    def start(self, named_leaves: dict[str, Any]) -> PendingChecksums:
+        """Starts the checksums of every leaf: arrays of any dtype and Python numbers."""
+        done: dict[str, str] = {}
+        arrays: dict[str, jax.Array] = {}
+        for name, leaf in named_leaves.items():
+            if isinstance(leaf, jax.Array) and _on_device(np.dtype(leaf.dtype)):
+                arrays[name] = leaf
+            elif isinstance(leaf, jax.Array):  # no such JAX dtype today
+                done[name] = host_checksum(np.asarray(_replicated_value(leaf)))
+            elif isinstance(leaf, (bool, int, float, np.ndarray, np.generic)):
+                done[name] = host_checksum(leaf)
+        groups = _by_devices(arrays)
+        keys = [tuple((jax.typeof(x), x.sharding if x.committed else None) for x in g.values())
+                for g in groups]  # fmt: skip
+        compiled = [self._compiled.get(k) for k in keys]
+        if all(c is not None and c.done() and c.exception() is None for c in compiled):
+            return _dispatch(done, groups)
+        if not all(x.is_fully_addressable for x in arrays.values()) or not all(
+            _host_memory(d) for x in arrays.values() for d in x.devices()
+        ):
+            return _dispatch(done, groups)  # compiles here, in the same order everywhere
+        snapshots = {name: _Snapshot(x) for name, x in arrays.items()}
+        todo = [k for k, c in zip(keys, compiled, strict=True) if c is None]
+        # The compilation starts once the sums are done, from the thread that waited for
+        # them (Orbax's commit thread), so that the caller does not start a thread.
+        config = _config()
+        then = (lambda: self._compile(todo, config)) if todo else None
+        return PendingChecksums(done, snapshots=snapshots, then=then)
+
+    def _compile(self, keys: list[Any], config: tuple[bool, str]) -> None:
+        with self._lock:
+            for key in keys:
+                if key not in self._compiled:
+                    self._compiled[key] = _compile_in_background(key, config)
+
+    def wait(self) -> None:
+        """Waits for the programs being compiled (a failed compilation is not an error:
+        saves of that layout keep summing snapshots)."""
+        with self._lock:
+            compiling = list(self._compiled.values())
+        for compiled in compiling:
+            compiled.exception()
+
+
+def _by_devices(arrays: dict[str, jax.Array]) -> list[dict[str, jax.Array]]:
+    """The leaves grouped by the devices they are committed to; uncommitted ones (which a
+    program may move) join the first group."""
+    groups: dict[Any, dict[str, jax.Array]] = {}
+    loose: dict[str, jax.Array] = {}
+    for name, x in arrays.items():
+        if x.committed:
+            groups.setdefault(frozenset(x.sharding.device_set), {})[name] = x
+        else:
+            loose[name] = x
+    out = list(groups.values())
+    if loose:
+        out = [{**out[0], **loose}, *out[1:]] if out else [loose]
+    return out
+
+
+def _dispatch(done: dict[str, str], groups: list[dict[str, jax.Array]]) -> PendingChecksums:
+    names, sums = [], []
+    for group in groups:
+        names += list(group)
+        sums += list(_device_sums(list(group.values())))
+    return PendingChecksums(done, names, sums)
+
+
+def _config() -> tuple[bool, str]:
+    """The thread-local settings that change the program: the caller's, not those of the
+    thread that compiles it."""
+    return bool(jax.config.jax_enable_x64), str(jax.config.jax_numpy_dtype_promotion)
+
+
+def _compile_in_background(key: Any, config: tuple[bool, str]) -> Future:
+    """Compiles `_device_sums` for the leaves `key` (avals, shardings) in a thread; the
+    returned future is done when a call with such leaves finds it compiled."""
+    shapes = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=a.weak_type) for a, s in key
+    ]
+    x64, promotion = config
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            with jax.enable_x64(x64), jax.numpy_dtype_promotion(promotion):
+                future.set_result(_device_sums.lower(shapes).compile())
+        except BaseException as e:  # later saves then keep summing snapshots
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="blox.ckpt checksum compile").start()
+    return future
+
+
 def start_checksums(named_leaves: dict[str, Any]) -> PendingChecksums:
-    """Starts the checksums of every leaf: arrays of any dtype and Python numbers.
+    """Starts the checksums of every leaf (restore's way: it compiles in the caller).
 
     Large jax arrays are summed on their devices (one jitted call for all of them, the
     result replicated), asynchronously: the call returns once the program is dispatched

@@ -7,10 +7,10 @@ writes ``metadata`` (the description, `describe`) and ``checksums.json`` (one ch
 leaf) into that temporary directory. So a committed step always holds its checksums, and
 a process killed at any moment leaves either a step with checksums or no step at all.
 
-The checksums are computed on the devices after Orbax has copied the arrays to host
-memory (so the copy does not wait behind the checksum program). They reach the handler
-through a `ChecksumSlot` that `CheckpointManager` fills once Orbax's ``save`` returns; the
-commit future (in Orbax's background thread) waits for it.
+The checksums are started once Orbax has copied the arrays to host memory (so the copy
+does not wait behind them), without blocking the caller (`Checksummer`). They reach the
+handler through a `ChecksumSlot` that `CheckpointManager` fills once Orbax's ``save``
+returns; the commit future (in Orbax's background thread) waits for them.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from orbax.checkpoint import checkpoint_managers as ocm
 
-from blox.ckpt._checksum import PY_DTYPES, checksums, start_checksums
+from blox.ckpt._checksum import PY_DTYPES, Checksummer, checksums
 from blox.ckpt._describe import compare, describe, describe_saved_tree, empty_nodes
 from blox.ckpt._errors import CheckpointError, leaf_names, leaves_named_in, summary
 from blox.ckpt._item import (
@@ -336,6 +336,8 @@ class CheckpointManager:
         self._closed = False
         self._known: set[int] = set()  # steps this manager saved or restored
         self._writing: int | None = None  # the step of the last started write
+        # Starts each save's checksums; keeps the programs compiled for them.
+        self._checksums = Checksummer()
 
     @staticmethod
     def _metric_fn(best_metric: str | Callable[[Any], float]) -> Callable[[Any], float]:
@@ -526,7 +528,7 @@ class CheckpointManager:
         description = describe(state)
         slot = ChecksumSlot()
         if not self.async_save:  # Orbax's synchronous save waits for them
-            slot.fill(start_checksums(_named_leaves(state)))
+            slot.fill(self._checksums.start(_named_leaves(state)))
         items = {
             STATE: ocp.args.PyTreeSave(state),
             DESCRIPTION: BloxItemSave(description, slot),
@@ -545,15 +547,16 @@ class CheckpointManager:
             raise self._write_failed(step, e, state) from e
         finally:
             if not slot.filled:
-                # Started once Orbax has copied the arrays to host memory, so that the
-                # copy does not wait behind the checksum program on the device; the
-                # commit (in Orbax's background thread) waits for the sums and writes
-                # them into the step before it is committed. The slot is always filled
-                # (None: abandoned), so the commit never waits for sums that never come.
+                # Started once Orbax has copied the arrays to host memory, so that its
+                # copy does not wait behind them; starting them neither copies nor
+                # compiles here (see `Checksummer`). The commit (in Orbax's background
+                # thread) waits for the sums and writes them into the step before it is
+                # committed. The slot is always filled (None: abandoned), so the commit
+                # never waits for sums that never come.
                 pending = None
                 try:
                     if started:
-                        pending = start_checksums(_named_leaves(state))
+                        pending = self._checksums.start(_named_leaves(state))
                 finally:
                     slot.fill(pending)
         if saved:
@@ -993,6 +996,7 @@ class CheckpointManager:
             self._pending = None
             self._closed = True
             self._mngr.close()
+            self._checksums.wait()  # no compilation outlives the manager
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -1,0 +1,157 @@
+"""`save` starts the checksums without copying a leaf to the host or compiling in the
+caller's thread: the first save of a state layout copies the leaves asynchronously to host
+memory (summed in Orbax's commit thread) while one program for all leaves compiles in a
+background thread; later saves dispatch that program. The sums stay the documented ones.
+
+References: JAX's compilation events (``jax.monitoring``), with the thread that compiled;
+the host copies (``numpy.asarray`` of a jax array) that the saving thread makes, against
+those of a plain Orbax save of the same state (Orbax's own copies, one per distinct
+shard); the
+checksum computed with Python integers from the values' bytes (``test_dtypes``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from blox import ckpt
+from blox.ckpt._manager import _type_handlers
+from tests.ckpt.test_dtypes import _reference
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _state(mesh, n_small: int = 12):
+    """A large leaf (above the 1 MiB that earlier versions summed on the host), small
+    leaves replicated over the mesh, a sharded one, an uncommitted one and a number."""
+    rs = np.random.default_rng(0)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    state = {
+        "big": jax.device_put(rs.standard_normal((600, 600)).astype(np.float32), replicated),
+        "rows": jax.device_put(
+            rs.standard_normal((16, 6)).astype(np.float32), NamedSharding(mesh, PartitionSpec("d"))
+        ),
+        "count": jnp.asarray(7, jnp.int32),
+        "step": 1,
+    }
+    for i in range(n_small):
+        state[f"small{i}"] = jax.device_put(
+            rs.standard_normal(32 + i).astype(np.float32), replicated
+        )
+    return jax.block_until_ready(state)
+
+
+class _Calls:
+    """Records what the calling thread does: compilations, and host copies of jax arrays
+    through ``numpy.asarray``/``numpy.array`` (how Orbax and earlier blox versions copy)."""
+
+    def __init__(self, monkeypatch):
+        self.thread = threading.get_ident()
+        self.compiles = 0
+        self.copies = 0
+        for name in ("asarray", "array"):
+            original = getattr(np, name)
+            monkeypatch.setattr(np, name, self._counting(original))
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _counting(self, original):
+        def wrapper(x, *args, **kwargs):
+            if isinstance(x, jax.Array) and threading.get_ident() == self.thread:
+                self.copies += 1
+            return original(x, *args, **kwargs)
+
+        return wrapper
+
+    def _on_event(self, event, duration, **kwargs):
+        if event == COMPILE_EVENT and threading.get_ident() == self.thread:
+            self.compiles += 1
+
+    def reset(self):
+        self.compiles = self.copies = 0
+
+    def close(self):
+        jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+
+def test_save_neither_copies_nor_compiles_in_the_callers_thread(tmp_path, monkeypatch):
+    mesh = jax.make_mesh((8,), ("d",))
+    state = _state(mesh)
+    arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+    calls = _Calls(monkeypatch)
+    try:
+        # Orbax alone, configured as the manager configures it: its host copies (one per
+        # distinct shard) are the reference.
+        handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers())
+        orbax = ocp.AsyncCheckpointer(handler)
+        calls.reset()
+        orbax.save(tmp_path / "orbax", args=ocp.args.PyTreeSave(state))
+        orbax_copies = calls.copies
+        orbax.wait_until_finished()
+        orbax.close()
+        assert orbax_copies >= len(arrays)
+
+        mngr = ckpt.CheckpointManager(tmp_path / "blox", save_on_exit=False)
+        for step in (1, 2, 3):
+            calls.reset()
+            mngr.save(step, dict(state, step=step))
+            assert calls.compiles == 0, f"save {step} compiled in the caller's thread"
+            assert calls.copies == orbax_copies, (
+                f"save {step} copied {calls.copies - orbax_copies} leaves to the host in "
+                "the caller's thread besides Orbax's copies"
+            )
+            mngr.wait()
+            mngr._checksums.wait()  # the program compiled after the first save
+        mngr.close()
+    finally:
+        calls.close()
+    # The first save summed the snapshots, the later ones ran the program: the same sums.
+    want = {name: _reference(np.asarray(x)) for name, x in state.items() if name != "step"}
+    for step in (1, 2, 3):
+        sums = json.loads((tmp_path / "blox" / str(step) / "blox" / "checksums.json").read_text())
+        assert {k: v for k, v in sums.items() if k != "step"} == want, step
+    restored = ckpt.CheckpointManager(tmp_path / "blox").restore(state)
+    np.testing.assert_array_equal(restored["big"], state["big"])
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_the_first_and_later_saves_write_the_documented_sums(tmp_path, x64):
+    """Sharded, replicated and single-device leaves of several dtypes: the first save (host
+    snapshots, summed shard by shard) and a later one (the compiled program, under the
+    same x64 setting as the caller) write the checksum of the Python-integer reference."""
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    rs = np.random.default_rng(1)
+    dtypes = ["float32", "bfloat16", "int8", "bool", "complex64"]
+    if x64:
+        dtypes += ["float64", "uint64", "complex128"]
+    specs = [PartitionSpec(), PartitionSpec("a"), PartitionSpec("a", "b"), PartitionSpec("b")]
+    with jax.enable_x64(x64):
+        state = {}
+        for dtype in dtypes:
+            x = rs.standard_normal((8, 6)) * 40
+            if dtype.startswith("complex"):
+                x = x + 1j * rs.standard_normal((8, 6))
+            values = jnp.asarray(x > 0 if dtype == "bool" else x, dtype)
+            for i, spec in enumerate(specs):
+                state[f"{dtype}_{i}"] = jax.device_put(values, NamedSharding(mesh, spec))
+            state[f"{dtype}_single"] = values
+        want = {name: _reference(np.asarray(x)) for name, x in state.items()}
+        mngr = ckpt.CheckpointManager(tmp_path)
+        mngr.save(1, state)
+        mngr.wait()
+        mngr._checksums.wait()
+        mngr.save(2, state)
+        mngr.close()
+        for step in (1, 2):
+            sums = json.loads((tmp_path / str(step) / "blox" / "checksums.json").read_text())
+            assert sums == want, step
+        restored = ckpt.CheckpointManager(tmp_path).restore(state)
+        for name, x in state.items():
+            assert np.asarray(restored[name]).tobytes() == np.asarray(x).tobytes(), name
