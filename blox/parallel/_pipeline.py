@@ -383,9 +383,12 @@ class _Layout(NamedTuple):
     avals: tuple[Any, ...]
 
 
-def _residual_layout(fns: _Fns, tr: Params, st: Params, h: Any) -> _Layout:
+def _residual_layout(
+    fns: _Fns, tr: Params, st: Params, h: Any, data_axis: str | None = None
+) -> _Layout:
     """Traces the stage's VJP (abstractly, ``jax.make_jaxpr``) and follows the data flow
-    from ``(st, h)`` to each residual."""
+    from ``(st, h)`` to each residual. With FSDP stage leaves (`data_axis`): raises if a
+    residual kept per microbatch is a weight gathered over `data_axis`."""
     closed, shape = jax.make_jaxpr(
         lambda tr, st, h: _stage_vjp(fns, tr, st, h)[1], return_shape=True
     )(tr, st, h)
@@ -395,7 +398,58 @@ def _residual_layout(fns: _Fns, tr: Params, st: Params, h: Any) -> _Layout:
         if any(not isinstance(v, Literal) and v in dep for v in eqn.invars):
             dep.update(eqn.outvars)
     stashed = tuple(not isinstance(v, Literal) and v in dep for v in jaxpr.outvars)
+    if data_axis is not None:
+        _check_no_gathered_stash(jaxpr, stashed, tr, data_axis)
     return _Layout(jax.tree.structure(shape), stashed, tuple(closed.out_avals))
+
+
+# What a gathered weight may go through and still be the weight (in the stash).
+_SAME_VALUE = frozenset(
+    {"pvary", "pcast", "copy", "copy_p", "convert_element_type", "reshape", "transpose"}
+)
+
+
+def _check_no_gathered_stash(jaxpr: Any, stashed: tuple, tr: Params, data_axis: str) -> None:
+    """Raises if a residual kept per microbatch is an ``all_gather`` over `data_axis`
+    (FSDP's gathered full weight: ``fsdp_call(..., remat=False)``), naming the leaf."""
+    made = {o: e for e in jaxpr.eqns for o in e.outvars}
+    leaves = dict(zip(jaxpr.invars[: len(jax.tree.leaves(tr))], tr.keys(), strict=True))
+
+    def gathered(v):
+        e = made.get(v)
+        while e is not None and e.primitive.name in _SAME_VALUE:
+            e = made.get(e.invars[0])
+        axes = e.params.get("axis_name", ()) if e is not None else ()
+        axes = axes if isinstance(axes, tuple) else (axes,)
+        return (
+            e if e is not None and e.primitive.name == "all_gather" and data_axis in axes else None
+        )
+
+    def source(v, seen):
+        if v in leaves:
+            return leaves[v]
+        if v in seen or v not in made:
+            return None
+        seen.add(v)
+        for a in made[v].invars:
+            if not isinstance(a, Literal) and (found := source(a, seen)) is not None:
+                return found
+        return None
+
+    for v, kept in zip(jaxpr.outvars, stashed, strict=True):
+        e = None if isinstance(v, Literal) or not kept else gathered(v)
+        if e is None:
+            continue
+        path = source(e.invars[0], set())
+        name = f"'{format_path(path)}'" if path is not None else "an FSDP stage weight"
+        raise ValueError(
+            f"pipeline_value_and_grad: the stage keeps the gathered (full) weight {name} of "
+            f"shape {tuple(v.aval.shape)} for its backward, once per microbatch in flight: "
+            "stage_fn calls blox.parallel.fsdp_call(..., remat=False), which keeps the "
+            "layer's residuals, full weights included. Inside a pipeline that costs more "
+            "memory than no FSDP at all; call fsdp_call with remat=True (the default): the "
+            "backward gathers the weight again."
+        )
 
 
 def _residuals(layout: _Layout, vjp_fn: Any) -> list[Any]:
@@ -1326,7 +1380,7 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
         lambda s: _last_loss(fns, tr_sh, s, h_zero, y0, n, cfg.reduce)[1][1], st_sh
     )
     plan = _shared_plan(first_eff, last_eff, st_sh)
-    layout = _residual_layout(fns, tr0, st0, h_zero)
+    layout = _residual_layout(fns, tr0, st0, h_zero, cfg.data_axis if cfg.fsdp else None)
     # The residuals of each chunk's params alone, once per step (v of them).
     per_chunk = [
         _param_residuals(layout, fns, _take(tr, k), _take(st, k), h_zero) for k in range(v)

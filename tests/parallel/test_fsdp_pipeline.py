@@ -213,3 +213,65 @@ def test_fsdp_tp_pp_transformer_equals_one_device():
     for s, gs in enumerate(bp.unstack_stages(g)):
         for a, b in zip(jax.tree.leaves(gs), jax.tree.leaves(ref_g[s]), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _wide(remat: bool, width: int = 128):
+    """Two FSDP Linear layers of `width` (their weights outweigh a microbatch of 2 rows);
+    `remat` is what the stage passes to `fsdp_call`."""
+    g = bx.Graph("stage")
+    rng = bx.Rng(g / "rng")
+    fc1, fc2 = bx.Linear(g / "fc1", width, rng), bx.Linear(g / "fc2", width, rng)
+
+    def stage_fn(params, h):
+        h, params = bp.fsdp_call(fc1, params, h, remat=remat)
+        h, params = bp.fsdp_call(fc2, params, jnp.tanh(h), remat=remat)
+        return jnp.tanh(h), params
+
+    def last_fn(params, h, y):
+        return jnp.mean((h - y) ** 2), params
+
+    stages = [
+        stage_fn(rng.seed(bx.Params(), seed=s), jnp.zeros((1, width)))[1].locked() for s in range(P)
+    ]
+    mesh = jax.make_mesh((2, P), ("data", "stage"), devices=jax.devices()[: 2 * P])
+    specs = bp.fsdp_specs(stages[0], mesh, min_size=0)
+    return stage_fn, last_fn, bp.stack_stages(stages), mesh, specs
+
+
+def test_fsdp_remat_false_in_a_stage_raises():
+    """``fsdp_call(..., remat=False)`` keeps the gathered full weights for the backward:
+    inside a pipeline, once per microbatch in flight; the step refuses it, naming the
+    leaf and the fix."""
+    stage_fn, last_fn, stacked, mesh, specs = _wide(remat=False, width=16)
+    step = bp.pipeline_value_and_grad(
+        stage_fn, last_fn, mesh, num_microbatches=2, data_axis="data", stage_specs=specs
+    )
+    x = jnp.ones((8, 16))
+    with pytest.raises(ValueError, match=r"full\) weight 'stage/fc1/kernel'.*remat=True"):
+        step(stacked, bx.Params().locked(), x, x)
+
+
+@pytest.mark.full_optimizations
+def test_fsdp_stash_holds_no_full_weight():
+    """GPipe stashes every microbatch: with FSDP stage weights (``fsdp_call``'s default
+    ``remat=True``) each further microbatch adds less temp memory than a quarter of one
+    stage's full weights: it keeps the layers' inputs (4 rows), never a gathered
+    weight."""
+    stage_fn, last_fn, stacked, mesh, specs = _wide(remat=True)
+    width = 128
+    full = 2 * width * width * 4  # the stage's two full f32 kernels
+
+    def temp(m, stage_specs):
+        step = jax.jit(
+            bp.pipeline_value_and_grad(
+                stage_fn, last_fn, mesh, schedule="gpipe", num_microbatches=m,
+                data_axis="data", stage_specs=stage_specs,
+            )
+        )  # fmt: skip
+        x = jax.ShapeDtypeStruct((4 * m, width), jnp.float32)
+        args = (jax.eval_shape(lambda: stacked), bx.Params().locked(), x, x)
+        compiled = step.lower(*args).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    t2, t8 = temp(2, specs), temp(8, specs)
+    assert (t8 - t2) / 6 < full / 4, (t2, t8, full)
