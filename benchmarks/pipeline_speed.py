@@ -22,6 +22,14 @@ Before timing, the script asserts the loss and every gradient of every schedule 
 sequential ones (the same blocks stacked the schedule's way; rtol 1e-5, highest matmul
 precision).
 
+``--json FILE`` also writes one record per schedule and m: ``schedule``, ``m``,
+``step_s_per_microbatch``, ``temp_bytes``, ``table_idle`` (the table with B = 2 F, or
+F = B = W for ``zb``), ``busy_fraction`` (from the measured cells), and the slowest
+stage's cells in seconds: ``cell_f_s``, ``cell_b_s`` / ``cell_w_s`` (the runtime's own
+split backward's B and W, measured from the stash; null without a split) and
+``cell_backward_s`` (the same stage's fused backward, the reference for B + W).
+``--quick`` keeps the model, with m = 8 and 32 and fewer rounds.
+
 Reported per m (4 to 64) and schedule: the table's slot count, step time and time per
 microbatch (median over rounds of the per-round median; same-round ratios to the
 sequential model and of ``1f1b-2f`` to ``1f1b``; the per-microbatch time over that of
@@ -251,13 +259,61 @@ def slot_busy_times(first_fn, stage_fn, last_fn, shared, stage, rows, number, re
     }
 
 
-def weighted_idle(schedule, busy) -> float:
+def split_cells(stage_fn, stage, rows, number, repeat):
+    """Seconds of the cells the runtime runs for one stage (no ``first_fn`` /
+    ``last_fn``) on one microbatch, from the stash as the runtime does: the forward (the
+    stage's VJP forward, residuals out), the fused backward (1F1B's B), and the split
+    backward's B (input cotangent, keeping what W needs) and W (weight gradient from
+    what B kept), the runtime's own `_SplitBackward`. ``{'F', 'backward', 'B', 'W'}``."""
+    from blox.parallel import _pipeline as pl
+
+    def call_stage(params, h):
+        return stage_fn(params, h)
+
+    fns = pl._Fns(call_stage, None, None)
+    width = stage["stage", "block_0", "fc2", "bias"].value.shape[0]
+    h = jnp.asarray(np.random.default_rng(2).normal(size=(rows, width)), jnp.float32)
+    tr, st = stage.split()
+    layout = pl._residual_layout(fns, tr, st, h)
+    leaves = jax.jit(lambda tr, h: jax.tree.leaves(pl._stage_vjp(fns, tr, st, h)[1]))(tr, h)
+    res = [x for x, k in zip(leaves, layout.stashed, strict=True) if k]
+    pres = [x for x, k in zip(leaves, layout.stashed, strict=True) if not k]
+    sb = pl._split_backward(layout, res, pres, h)
+
+    def fwd(tr, h):
+        out, vjp_fn, _ = pl._stage_vjp(fns, tr, st, h)
+        return out, [x for x, k in zip(jax.tree.leaves(vjp_fn), layout.stashed, strict=True) if k]
+
+    f = jax.jit(fwd)
+    fused = jax.jit(lambda r, q, ct: pl._rebuild_vjp(layout, r, q)(ct))
+    b_in = jax.jit(lambda r, q, ct: pl._backward_input(sb, r, q, ct))
+    w = jax.jit(lambda q, kept: pl._backward_weight(sb, q, kept))
+    kept = b_in(res, pres, h)[1]
+    cells = {
+        "F": lambda: jax.block_until_ready(f(tr, h)),
+        "backward": lambda: jax.block_until_ready(fused(res, pres, h)),
+        "B": lambda: jax.block_until_ready(b_in(res, pres, h)),
+        "W": lambda: jax.block_until_ready(w(pres, kept)),
+    }
+    for c in cells.values():
+        c()
+    best = dict.fromkeys(cells, float("inf"))
+    for _ in range(repeat):  # interleaved, min over repeats (as `slot_busy_times`)
+        for key, c in cells.items():
+            best[key] = min(best[key], _timing.per_call_us(c, number, 1) * 1e-6)
+    return best
+
+
+def weighted_idle(schedule, busy, cells) -> float:
     """`Schedule.idle_fraction` with the measured cell times, one per virtual stage
-    (`busy`: the times of the cells of one stage of the schedule's size)."""
+    (`busy`: the times of the cells of one stage of the schedule's size; a split
+    backward's B and W: the runtime's own, `cells`, plus stage 0's ``first_fn``)."""
     n = schedule.num_stages * schedule.virtual_stages
     kinds = ["first"] + ["mid"] * (n - 2) + ["last"]
     if schedule.split_backward:
-        b, w = [busy[k][2] for k in kinds], [busy[k][3] for k in kinds]
+        extra = {k: busy[k][2] - busy["mid"][2] for k in kinds}
+        b = [1e6 * cells["B"] + extra[k] for k in kinds]
+        w = 1e6 * cells["W"]
     else:
         b, w = [busy[k][1] for k in kinds], 0.0
     return schedule.idle_fraction(forward=[busy[k][0] for k in kinds], backward=b, weight=w)
@@ -323,16 +379,17 @@ def copy_count(compiled) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    COUNTS.add_to(ap, quick_help="tiny model, m = 8 only (smoke test)")
+    COUNTS.add_to(ap, quick_help="m = 8 and 32 only, fewer rounds (the default model)")
     ap.add_argument("--plot", default=PLOT, help="where to save the memory-vs-m PNG ('' none)")
+    ap.add_argument("--json", default="", help="also write the records (a JSON list) here")
     args = ap.parse_args(argv)
     rounds, steps, warmup = COUNTS.resolve(ap, args)
     started, env, command = _timing.start_run("blox pipeline speed")
     if len(jax.devices()) < 8:
         log("needs 8 devices")
         return 1
-    width, rows = (16, 4) if args.quick else (128, 64)
-    ms = [8] if args.quick else [4, 8, 16, 32, 64]
+    width, rows = 128, 64
+    ms = [8, 32] if args.quick else [4, 8, 16, 32, 64]
     mesh = bp.make_mesh((P_STAGES,), ("stage",), devices=jax.devices()[:P_STAGES])
     first_fn, last_fn, shared, layouts = build_model(width)
     # the sequential model, timed with the stages' layout; the references per layout
@@ -342,7 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     with jax.default_matmul_precision("highest"):
         busy = {
             v: slot_busy_times(first_fn, fn, last_fn, shared, _model_stage(params, 0, v), rows,
-                               number=5 if args.quick else 50, repeat=3)
+                               number=20 if args.quick else 50, repeat=5)
+            for v, (fn, params) in layouts.items()
+        }  # fmt: skip
+        # the runtime's own cells (F, fused backward, split B and W), per layout
+        cells = {
+            v: split_cells(fn, _model_stage(params, 1, v), rows,
+                           number=20 if args.quick else 50, repeat=5)
             for v, (fn, params) in layouts.items()
         }  # fmt: skip
         for m in ms:
@@ -386,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                     if sched.split_backward
                     else sched.idle_fraction(1.0, 2.0)
                 )
-                idle[name, m] = (table_idle, weighted_idle(sched, busy[v]))
+                idle[name, m] = (table_idle, weighted_idle(sched, busy[v], cells[v]))
                 contenders.append(
                     Contender(
                         f"{name} m={m}", lambda fn=fn, p=params, x=x, y=y: fn(p, shared, x, y)[0]
@@ -470,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             steps,
             warmup,
             "interleaved in a random order per cycle",
-            "model and counts shrunk, numbers meaningless" if args.quick else None,
+            "m = 8 and 32 only, fewer rounds and calls" if args.quick else None,
         ),  # fmt: skip
         "- Measured busy time of the cells on one microbatch, F / B / B (input part) / W "
         "(weight part), us (stage 0's backward and B recompute and differentiate the "
@@ -534,7 +597,47 @@ def main(argv: list[str] | None = None) -> int:
         *_timing.same_math_section(checks),
     ]
     _timing.publish("\n".join(lines), args.out, "pipeline_speed")
+    if args.json:
+        write_json(args.json, ms, us, mem, idle, busy, cells)
     return 0
+
+
+def slowest_cells(name, busy, cells) -> dict:
+    """The cell times of the schedule's slowest stage (the most F + backward): the
+    stage's own cells (`split_cells`) plus what its position adds (``first_fn``'s
+    pullback in stage 0's backward and B, ``last_fn``'s value and gradient in the last
+    stage's forward; `slot_busy_times`), in seconds."""
+    v = _virtual(name)
+    bv, c = busy[v], cells[v]
+    extra = {k: ((bv[k][0] - bv["mid"][0]) * 1e-6, (bv[k][1] - bv["mid"][1]) * 1e-6)
+             for k in ("first", "mid", "last")}  # fmt: skip
+    kind = max(extra, key=lambda k: sum(extra[k]))
+    f, b = extra[kind]
+    split = name == "zb"
+    return {
+        "cell_f_s": c["F"] + f,
+        "cell_b_s": c["B"] + b if split else None,
+        "cell_w_s": c["W"] if split else None,
+        "cell_backward_s": c["backward"] + b,
+    }
+
+
+def write_json(path, ms, us, mem, idle, busy, cells) -> None:
+    """One record per schedule and m (the keys docs/benchmarks.md's pipeline section
+    lists); the busy fraction from the measured cells."""
+    import json
+
+    out = []
+    for m in ms:
+        for n in SCHEDULES:
+            out.append({
+                "schedule": n, "m": m, "step_s_per_microbatch": us[f"{n} m={m}"] * 1e-6 / m,
+                "temp_bytes": mem[n, m], "table_idle": idle[n, m][0],
+                "busy_fraction": 1 - idle[n, m][1], **slowest_cells(n, busy, cells),
+            })  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    log(f"wrote {len(out)} records to {path}")
 
 
 if __name__ == "__main__":
