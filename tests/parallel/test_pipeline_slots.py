@@ -64,13 +64,12 @@ def test_1f1b_slot_sends_once(m):
     assert n <= 2 * (m + P - 1), (n, 2 * (m + P - 1))
 
 
-@pytest.mark.parametrize("schedule,m", [("1f1b", 8), ("zb-h1", 8), ("1f1b-2f", 8)])
-def test_slots_match_sequential(schedule, m):
-    check_against_sequential(schedule, m, 1)
-
-
-def test_interleaved_slots_match_sequential():
-    check_against_sequential("interleaved", 8, 2)
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b-2f"])
+def test_slots_match_sequential(schedule):
+    """Gradients and state equal the sequential model's when each slot sends only its
+    groups (``'1f1b-2f'``: two forwards per cell, two groups in some slots). ZB-H1 and
+    interleaved (circular transfers) are checked in their own files."""
+    check_against_sequential(schedule, 8, 1)
 
 
 def test_unstack_stages_compiles_once_per_shape_and_mesh():
