@@ -249,7 +249,8 @@ class PathSpec:
 
     @property
     def data(self) -> int:
-        return dict(self.mesh).get("data", 1)
+        """The data shards: the batch is split over ``'data'`` (or ``'expert'``)."""
+        return dict(self.mesh).get("data", dict(self.mesh).get("expert", 1))
 
     @property
     def units(self) -> int:
@@ -257,8 +258,8 @@ class PathSpec:
 
     @property
     def folds(self) -> bool:
-        """The path folds the data index into the `Rng` seeds (it has a data axis)."""
-        return "data" in dict(self.mesh)
+        """The path folds the shard index into the `Rng` seeds (the batch is split)."""
+        return "data" in dict(self.mesh) or "expert" in dict(self.mesh)
 
 
 _PIPE = "pipeline_value_and_grad, 2 stages"
@@ -329,6 +330,12 @@ PATHS = (
         tp=True,
         semantics="2 shards x m=2, seeds folded by shard (not by model)",
     ),
+    PathSpec(
+        "ep",
+        "ep_value_and_grad in a shard_map, expert=2 (a model without experts)",
+        (("expert", 2),),
+        semantics="2 shards over the expert axis, as DP",
+    ),
 )
 
 
@@ -365,7 +372,7 @@ _UNBOUND = (
 # Cells that cannot compose, with the error they raise and why.
 ERRORS: dict[tuple[str, str], tuple] = {
     **{("unlisted_rng", p.name): _UNLISTED for p in PATHS if p.folds},
-    **{("batchnorm_sync", p.name): _UNBOUND for p in PATHS if not p.folds},
+    **{("batchnorm_sync", p.name): _UNBOUND for p in PATHS if "data" not in dict(p.mesh)},
     **{("int_state", p.name): _INT_STATE for p in PATHS if p.folds},
 }
 
@@ -373,6 +380,12 @@ ERRORS: dict[tuple[str, str], tuple] = {
 # They are not run (not skipped: absent) until the fix lands; the doc lists them.
 PENDING: dict[tuple[str, str], str] = {
     **{("int_state", p): "defect: pmax" for p in ("dp_pp", "fsdp_pp", "dp_tp_pp")},
+    **{("dropout", "ep"): "ep: no rngs", ("rng_counters", "ep"): "ep: no rngs"},
+    ("unlisted_rng", "ep"): "ep: no rngs",
+    ("batchnorm", "ep"): "ep: state",
+    ("int_state", "ep"): "ep: state",
+    ("weighted_loss", "ep"): "ep: no weight, no microbatches",
+    ("accumulation", "ep"): "ep: no weight, no microbatches",
 }
 # What each pending label stands for (the observed and the expected numbers).
 DEFECTS = {
@@ -382,6 +395,22 @@ DEFECTS = {
         "`s0/tally/count` of the `dp_pp` cell comes back 48, the larger shard's count; "
         "the shards count 48 and 33, one device 81), where the DP and FSDP steps raise "
         "naming the leaf"
+    ),
+    "ep: no rngs": (
+        "found by this matrix: `ep_value_and_grad` takes no `rngs=` and folds no seed, so "
+        "every shard of the expert axis draws the same masks (dropout: loss 5.2298 "
+        "against 6.0214 with folded seeds; shared counters: 7.1546 against 5.6113), and "
+        "an `Rng` that draws is not refused"
+    ),
+    "ep: state": (
+        "found by this matrix: `ep_value_and_grad` returns the non-trainable state as each "
+        "shard computed it; per-shard BatchNorm statistics then fail JAX's out_specs "
+        "replication check (not averaged as under DP), and integer state that differs "
+        "per shard is not reported naming the leaf"
+    ),
+    "ep: no weight, no microbatches": (
+        "found by this matrix: `ep_value_and_grad` has no `aux['weight']` (the loss is "
+        "the mean of the shard means) and no microbatches"
     ),
 }
 
@@ -707,6 +736,8 @@ def _run(feature: Feature, path: PathSpec):
 
 
 def _run_step(path, m, flat, x, t, k, tx, rngs):
+    if "expert" in dict(path.mesh):
+        return _run_ep(path, m, flat, x, t)
     if not path.mesh:
         step = jax.jit(bx.make_train_step(m.loss_fn, tx, has_aux=True, accumulation_steps=k))
         params = jax.device_put(flat)
@@ -728,6 +759,18 @@ def _run_step(path, m, flat, x, t, k, tx, rngs):
     opt = jax.device_put(tx.init(flat.split()[0]), NamedSharding(mesh, P()))
     new, _, metrics = jax.jit(step)(params, opt, x, t)
     return metrics["loss"], None, new
+
+
+def _run_ep(path, m, flat, x, t):
+    """`ep_value_and_grad` (no train step exists for it) in its shard_map, then SGD."""
+    mesh = _mesh(path)
+    f = bp.ep_value_and_grad(m.loss_fn, expert_axis="expert", data_axes=None, has_aux=True)
+    rep, split = P(), P("expert")
+    sm = jax.shard_map(f, mesh=mesh, in_specs=(rep, split, split), out_specs=((rep, rep), rep, rep))
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    (loss, _), grads, new = jax.jit(sm)(put(flat, rep), put(x, split), put(t, split))
+    trained = jax.tree.map(lambda a, g: a - LR * g, new.split()[0], grads)
+    return loss, None, trained.merge(new.split()[1])
 
 
 def _run_pipeline(path, m, shared, stages, x, t, k, rngs):
@@ -833,14 +876,14 @@ _INTRO = """\
 # The composition matrix: every stateful feature on every path
 
 Each path of blox (one device, accumulation, DP, FSDP, TP, every pipeline schedule and
-their products) holds in its own tests. This page is the matrix of their seams: every
-*stateful feature* of a model (rows) trained on every *path* (columns). A cell runs one
-step of the path and compares its loss, its gradients (or the params after one SGD step
-of rate 1) and its non-trainable state (RNG counters and seeds, BatchNorm statistics,
-call counts) with a reference computed on one device from the cell's semantics, in
-plain `jax.value_and_grad`. `tests/test_composition_matrix.py` holds the table this
-page is generated from and fails when the two differ
-(`python -m tests.test_composition_matrix > docs/composition.md` rewrites the page).
+their products, expert parallelism) holds in its own tests. This page is the matrix of
+their seams: every *stateful feature* of a model (rows) trained on every *path*
+(columns). A cell runs one step of the path and compares its loss, its gradients (or the
+params after one SGD step of rate 1) and its non-trainable state (RNG counters and
+seeds, BatchNorm statistics, call counts) with a reference computed on one device from
+the cell's semantics, in plain `jax.value_and_grad`. `tests/test_composition_matrix.py`
+holds the table this page is generated from and fails when the two differ (`python -m
+tests.test_composition_matrix > docs/composition.md` rewrites the page).
 
 The model of each row: `first_fn` (an embedding `Linear`), 2 identical units (4 for the
 interleaved schedule: 2 stages x 2 chunks) of a column-parallel and a row-parallel
@@ -849,7 +892,10 @@ loss). A unit is a pipeline stage; the paths that take one `Params` hold the uni
 `s0/`, `s1/`, ... with the same values. The tensor-parallel layers compute the global
 math outside a `shard_map` over `model`, and every layer is called through
 `bp.fsdp_call` (a plain call outside FSDP), so one model serves every path. The batch
-has 16 rows.
+has 16 rows. The `ep` column runs `ep_value_and_grad` (which has no train step) on this
+model, which has no experts: it checks how expert parallelism carries the state of the
+rest of a model, its batch split over the expert axis as DP splits it; context
+parallelism gets its column when it lands.
 """
 
 _SAME = """\
