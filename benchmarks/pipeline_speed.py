@@ -591,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         "1F1B stashes at most p (`1f1b-2f`: 2p) and stays flat; `interleaved` up to "
         f"2 (p - 1) + (v - 1) p + 1 chunk stashes of half a stage (the bound "
         f"1 + (p - 1)/(v p) = {1 + (P_STAGES - 1) / (V_CHUNKS * P_STAGES):.3f} x 1F1B's); `zb` "
-        "p microbatches from F to W, plus the cotangents kept from B to W. Plot: "
+        "p microbatches from F to W (B writes what W needs over stash arrays W does not "
+        "read). Plot: "
         "`docs/img/pipeline_memory.png`.",
         "",
         *_timing.same_math_section(checks),

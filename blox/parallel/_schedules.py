@@ -108,7 +108,8 @@ class Program(NamedTuple):
       send_b: B of virtual stage > 0: the backward-inbox entry on the receiving device (the
         ``inbox_b`` of the previous virtual stage's B); F of the last virtual stage: the
         backward-inbox entry where it files the cotangent of its own output.
-      wgrad: split tables: B: the cotangent-stash entry it writes; W: the entry it reads.
+      wgrad: split tables: B: the entry it writes (what its W needs and the stash entry has
+        no free array for); W: the entry it reads.
       sizes: entries per buffer, ``{'stash', 'inbox_f', 'inbox_b', 'wgrad'}`` (each >= 1;
         the most any device needs).
 
