@@ -131,7 +131,8 @@ def dp_state(width: int):
 
 
 def time_first_saves(root: Path, make_state, repeats: int):
-    """{mode: (first save's blocked time, median of the next three) per repeat}, every
+    """{mode: (first save's blocked time, median of the next three's, first save's time
+    until committed) per repeat}, every
     manager with new shapes (``make_state(k)``), the modes' order rotated per repeat."""
     out = {mode: [] for mode in CHECKSUM_MODES}
     modes = list(CHECKSUM_MODES)
@@ -139,7 +140,7 @@ def time_first_saves(root: Path, make_state, repeats: int):
         for j in range(len(modes)):
             mode = modes[(r + j) % len(modes)]
             state = make_state(len(modes) * r + j)
-            blocked = []
+            blocked, committed = [], []
             with ckpt.CheckpointManager(root / f"first_{r}_{mode}", max_to_keep=2) as mngr:
                 if CHECKSUM_MODES[mode] is not None:
                     mngr._checksums = CHECKSUM_MODES[mode]()
@@ -150,18 +151,19 @@ def time_first_saves(root: Path, make_state, repeats: int):
                     mngr.save(i, s)
                     blocked.append(time.perf_counter() - t0)
                     mngr.wait()
-            out[mode].append((blocked[0], statistics.median(blocked[1:])))
+                    committed.append(time.perf_counter() - t0)
+            out[mode].append((blocked[0], statistics.median(blocked[1:]), committed[0]))
             del state
     return out
 
 
 def first_rows(times) -> list[list[str]]:
-    """Table rows: per mode, the medians of the first and of the later saves (ms)."""
+    """Table rows: per mode, the medians of the first and of the later saves' blocked
+    times and of the first save's time until committed (ms)."""
     rows = []
-    for mode, pairs in times.items():
-        first = statistics.median(p[0] for p in pairs)
-        later = statistics.median(p[1] for p in pairs)
-        rows.append([mode, f"{first * 1e3:.0f}", f"{later * 1e3:.0f}"])
+    for mode, runs in times.items():
+        medians = [statistics.median(run[k] for run in runs) for k in range(3)]
+        rows.append([mode, *(f"{m * 1e3:.0f}" for m in medians)])
     return rows
 
 
@@ -215,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         for which, times in firsts.items():
             for row in first_rows(times):
-                _timing.log(f"first save ({which}) {row[0]}: first {row[1]} ms, later {row[2]} ms")
+                _timing.log(
+                    f"first save ({which}) {row[0]}: blocked {row[1]} ms, later {row[2]} ms, "
+                    f"committed {row[3]} ms"
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -256,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         "others summed by a program compiled in `save`) and `off` (no checksums):",
         "",
         _timing.format_table(
-            ["state", "checksums", "first save (ms)", "later saves (ms, median of 3)"],
+            [
+                "state",
+                "checksums",
+                "first save blocked (ms)",
+                "later saves blocked (ms, median of 3)",
+                "first save until committed (ms)",
+            ],
             [
                 [label, *row]
                 for label, which in (

@@ -40,6 +40,9 @@ __all__: list[str] = []
 # compiling the device program.
 HOST_BYTES = 2**20
 
+# Snapshots are summed this many elements at a time (bounds the NumPy temporaries).
+_PART_ELEMENTS = 2**22
+
 _K1, _K2, _K3 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35
 _UNSIGNED = {2: jnp.uint2, 4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}
 _NP_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
@@ -143,9 +146,17 @@ def _part_sums(
 ) -> tuple[int, int]:
     """The sums of the block `part` of an array of `shape` whose first element sits at
     `starts`: its words at their flat word indices in the whole array (the sums of the
-    blocks of a tiling add up, modulo 2**32, to the array's)."""
+    blocks of a tiling add up, modulo 2**32, to the array's). Summed `_PART_ELEMENTS` at
+    a time (rows of the first axis), so the temporaries stay small."""
     if part.size == 0:
         return 0, 0
+    if part.ndim and part.size > _PART_ELEMENTS and part.shape[0] > 1:
+        rows = max(1, _PART_ELEMENTS // (part.size // part.shape[0]))
+        a = b = 0
+        for r in range(0, part.shape[0], rows):
+            pa, pb = _part_sums(part[r : r + rows], (starts[0] + r, *starts[1:]), shape)
+            a, b = (a + pa) % 2**32, (b + pb) % 2**32
+        return a, b
     b = _host_words(part)
     words = b.size // part.size  # per element
     index = np.zeros(part.shape, np.uint64)  # the element's flat index in the whole array
@@ -176,7 +187,10 @@ def _replicated_value(x: jax.Array) -> np.ndarray:
 
 
 class _Snapshot:
-    """A leaf copied (asynchronously) to host memory: one block per distinct shard."""
+    """A leaf's values in host memory, one block per distinct shard, that outlive the
+    leaf being donated: on CPU a NumPy view of the buffer (JAX does not donate a buffer
+    while a view of it lives, so nothing is copied), elsewhere a copy into host memory,
+    started asynchronously."""
 
     def __init__(self, x: jax.Array):
         self.shape, self.dtype = tuple(x.shape), np.dtype(x.dtype)
@@ -188,9 +202,12 @@ class _Snapshot:
                 for s in x.addressable_shards
                 if s.replica_id == 0
             ]
-        self.parts: list[tuple[tuple[int, ...], jax.Array]] = []
+        self.parts: list[tuple[tuple[int, ...], Any]] = []
         for starts, data in blocks:
             device = next(iter(data.devices()))
+            if device.platform == "cpu":
+                self.parts.append((starts, np.asarray(data)))
+                continue
             host = jax.sharding.SingleDeviceSharding(device, memory_kind=_host_memory(device))
             self.parts.append((starts, jax.device_put(data, host, may_alias=False)))
 
@@ -203,7 +220,10 @@ class _Snapshot:
 
 
 def _host_memory(device: Any) -> str | None:
-    """The host memory kind a device can copy into asynchronously (None: none)."""
+    """The host memory kind a device can copy into asynchronously (None: none; CPU
+    devices need none)."""
+    if device.platform == "cpu":
+        return "device"
     kinds = {m.kind for m in device.addressable_memories()}
     return next((k for k in ("pinned_host", "unpinned_host") if k in kinds), None)
 
@@ -249,8 +269,9 @@ class Checksummer:
     is compiled in a background thread started by the first save of that layout. A save
     whose program is compiled dispatches it (asynchronous; the commit thread reads the
     results); until then (the first save) each leaf is copied asynchronously to host
-    memory (one replica of each shard) and the commit thread sums the copies with NumPy.
-    Both are safe against the arrays being donated right after `save`. When the leaves
+    memory (one replica of each shard; on CPU a view, see `_Snapshot`) and the commit
+    thread sums the copies with NumPy. Both are safe against the arrays being donated
+    right after `save`. When the leaves
     span several processes (each holds part of them) the program is compiled and
     dispatched by the caller, so that every process runs it in the same order; such a
     run's first save waits for the compilation.
