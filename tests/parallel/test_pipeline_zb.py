@@ -7,14 +7,23 @@ program; a slot's cost flat in m."""
 
 import re
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import blox as bx
+from blox.parallel import pipeline_value_and_grad, stack_stages, unstack_stages
 from tests.parallel.pipeline_common import conditional_heads
 from tests.parallel.test_pipeline_interleaved import (
+    F32,
     MEMORY,
+    P,
     check_against_sequential,
     check_linear_in_m,
+    close,
     compiled,
+    mesh,
     temp_bytes,
 )
 
@@ -77,3 +86,57 @@ def test_split_backward_of_a_deep_stage_derives_no_cotangent_twice():
     }
     assert dots["1f1b"] == 24, dots
     assert dots["zb-h1"] == dots["1f1b"], dots
+
+
+class _Scanned(bx.Module):
+    """``LAYERS`` tanh layers in one ``lax.scan`` over a stacked kernel: the stage's
+    backward is one scan equation that yields the input cotangent and the weight
+    gradient together (the split falls back to W re-running the weight half)."""
+
+    def __call__(self, params, h):
+        k, params = self.get_param(
+            params, "kernel", (LAYERS, WIDTH_SCAN, WIDTH_SCAN), INIT, rng=self.rng
+        )
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, k)
+        return h, params
+
+    def __init__(self, node, rng):
+        super().__init__(node)
+        self.rng = rng
+
+
+LAYERS, WIDTH_SCAN = 3, 6
+INIT = jax.nn.initializers.normal(0.5)
+
+
+def test_zero_bubble_scan_stage_matches_sequential():
+    g = bx.Graph("scan")
+    rng = bx.Rng(g / "rng")
+    layer = _Scanned(g / "layers", rng)
+    stages = [
+        layer(rng.seed(bx.Params(), seed=s), jnp.zeros((1, WIDTH_SCAN)))[1].locked()
+        for s in range(P)
+    ]
+
+    def last_fn(params, h, y):
+        return jnp.mean((h - y) ** 2), params
+
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.normal(size=(16, WIDTH_SCAN)), jnp.float32)
+    y = jnp.asarray(r.normal(size=(16, WIDTH_SCAN)), jnp.float32)
+
+    def reference(trs):  # the stages one after the other, on the whole batch
+        h = x
+        for tr, st in zip(trs, [s.split()[1] for s in stages], strict=True):
+            h = layer(tr.merge(st), h)[0]
+        return jnp.mean((h - y) ** 2)
+
+    with jax.default_matmul_precision("highest"):
+        ref_loss, ref_g = jax.value_and_grad(reference)([s.split()[0] for s in stages])
+        step = jax.jit(
+            pipeline_value_and_grad(layer, last_fn, mesh(), schedule="zb-h1", num_microbatches=4)
+        )
+        loss, (g_stage, _), _ = step(stack_stages(stages), bx.Params().locked(), x, y)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=F32["rtol"])
+    for got, want in zip(unstack_stages(g_stage), ref_g, strict=True):
+        close(got, want, **F32)
