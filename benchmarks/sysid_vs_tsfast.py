@@ -1,5 +1,5 @@
-"""System identification side by side with TSFast (issue 26): the same simulated data,
-model sizes, budget and CPU threads; each library with its own documented recipe.
+"""System identification side by side with TSFast: the same simulated data, model sizes,
+budget and CPU threads; each library with its own documented recipe.
 
 Run (the full budget takes about 5 core-hours; finished runs are cached, so it can be
 stopped and restarted)::
@@ -57,10 +57,11 @@ step was hardly affected; ``--threads 1`` is the fallback when the machine is sh
 1.0, the schedule flat for 75 % or not at all, no input noise, no linear skip, windows
 drawn with replacement, the final params, MSE instead of L1, Adam at 2e-2, 5e-3 or 3e-3
 instead of 1e-2, the head drawn at 1x, 3x or 5x instead of 10x, PyTorch's init instead
-of blox.nn's, and the earlier recipes) at the same budget and seeds, for the recipe
-decisions of issue 26. The GRU gap's diagnostics are variants too: TSFast's recipe run by blox
-(``tsfast_recipe``), with outputs in physical units (``tsfast_recipe_raw_y``), with the
-head's learning rate (``*_head_x*``) or initial size (``*head_init``) at 1 / std(y).
+of blox.nn's, and the earlier recipes) at the same budget and seeds: the evidence behind
+docs/sysid.md's "How the defaults were chosen". The GRU gap's diagnostics are variants
+too: TSFast's recipe run by blox (``tsfast_recipe``), with outputs in physical units
+(``tsfast_recipe_raw_y``), with the head's learning rate (``*_head_x*``) or initial size
+(``*head_init``) at 1 / std(y).
 ``--variants a,b`` runs the named ones in that order. Every blox run also records the
 test RMSE of its other params (the final ones for the best, and the reverse).
 ``--no-tsfast`` runs the blox side only, ``--no-base`` leaves out blox's recipe.
@@ -117,7 +118,8 @@ TSFAST_ON_BLOX = dict(init="torch", lr=3e-3, noise=0.0, clip=0.0, linear_skip=Fa
                       select="final", sampling="replacement", head_init=1.0)  # fmt: skip
 VARIANTS = {
     "base": {},
-    # The clipping round (2026-11-29): the recipe before it, and the steps to today's.
+    # Recipe 3 (docs/sysid.md, "How the defaults were chosen") and the steps from it to
+    # the defaults.
     "clip_1": {"clip": 1.0},
     "pct_0.75": {"pct_start": 0.75},
     "head_x5": {"head_init": 5.0},
@@ -127,8 +129,8 @@ VARIANTS = {
     "pct_0.75_torch_init": {"pct_start": 0.75, "init": "torch"},
     "head_x3_pct_0.75": {"head_init": 3.0, "pct_start": 0.75},
     "head_x5_pct_0.75_lr_2e-2": {"head_init": 5.0, "pct_start": 0.75, "lr": 2e-2},
-    # Single changes from today's recipe (the runs of earlier rounds trained against
-    # the recipe of their day: they stay in the cache, and docs/sysid.md quotes them).
+    # Single changes from the defaults (the runs of the earlier recipes stay in the
+    # cache, and docs/sysid.md quotes them).
     "no_flat": {"pct_start": 0.0},
     "no_noise": {"noise": 0.0},
     "no_skip": {"linear_skip": False},
@@ -163,8 +165,9 @@ VARIANTS = {
     "lr_3e-3_head_x8": {"lr": 3e-3, "head_lr": 8.0, "head_init": 1.0},
     "lr_5e-3_head_x5": {"lr": 5e-3, "head_lr": 5.0, "head_init": 1.0},
     "torch_init": {"init": "torch"},
-    # Input kernels LeCun over their fan-in F alone ("blox": blox.nn's GRU default before
-    # issue 26; an LSTM's kernel spans [x, h], so for it this is the recipe's own init),
+    # Input kernels LeCun over their fan-in F alone ("blox": blox.nn's earlier GRU default,
+    # before it drew over F + H; an LSTM's kernel spans [x, h], so for it this is the
+    # recipe's own init),
     # and the runs that chose L1 at 2e-2 with it.
     "lecun_f_init": {"init": "blox"},
     "lecun_f_mse": {"init": "blox", "loss": "mse"},
@@ -179,15 +182,15 @@ VARIANT_TEXT = {
     "clip_1": "gradient clipping at global norm 1.0",
     "pct_0.75": "the schedule flat for 75 % (cosine over the last quarter)",
     "head_x5": "the head drawn at 5x",
-    "head_x5_pct_0.75": "the head at 5x, flat for 75 % (the GRU round's recipe, no clipping)",
-    "head_x5_pct_0.75_clip_1": "the head at 5x, flat for 75 %, clipping at 1.0 (the GRU round's)",
+    "head_x5_pct_0.75": "the head at 5x, flat for 75 % (recipe 3 without clipping)",
+    "head_x5_pct_0.75_clip_1": "the head at 5x, flat for 75 %, clipping at 1.0 (recipe 3)",
     "pct_0.75_lr_5e-3": "flat for 75 %, Adam at 5e-3",
     "pct_0.75_torch_init": "flat for 75 %, PyTorch's init (the head at 10x)",
     "head_x3_pct_0.75": "the head at 3x, flat for 75 %",
     "head_x5_pct_0.75_lr_2e-2": "the head at 5x, flat for 75 %, Adam at 2e-2",
     "lr_2e-2": "Adam at 2e-2",
     "head_x1": "the head at LeCun's size (head_scale 1)",
-    "lr_2e-2_head_x1": "Adam at 2e-2, the head at LeCun's size (the recipe before the GRU)",
+    "lr_2e-2_head_x1": "Adam at 2e-2, the head at LeCun's size (recipe 2)",
     "no_flat": "cosine decay from the first step (no flat part)",
     "no_noise": "no input noise",
     "no_skip": "no linear skip",
@@ -212,13 +215,13 @@ VARIANT_TEXT = {
     "lr_3e-3_head_x8": "Adam at 3e-3, the head at 1x, its and the skip's rate at 8x",
     "lr_5e-3_head_x5": "Adam at 5e-3, the head at 1x, its and the skip's rate at 5x",
     "torch_init": "PyTorch's default init (every weight and bias U(+-1/sqrt(H)))",
-    "lecun_f_init": "input kernels LeCun over F alone (blox.nn's GRU before issue 26)",
+    "lecun_f_init": "input kernels LeCun over F alone (blox.nn's earlier GRU draw)",
     "lecun_f_mse": "LeCun over F, MSE",
     "lecun_f_lr_1e-2": "LeCun over F, Adam at 1e-2",
     "lecun_f_mse_lr_1e-2": "LeCun over F, MSE at 1e-2 (the recipe before L1 at 2e-2)",
     "lecun_f_mse_lr_1e-2_no_clip": "LeCun over F, MSE at 1e-2, no clipping",
     "lecun_f_mse_lr_1e-2_no_flat": "LeCun over F, MSE at 1e-2, cosine from the first step",
-    "lecun_f_mse_lr_3e-3": "LeCun over F, MSE at 3e-3 (the first recipe; TSFast's rate)",
+    "lecun_f_mse_lr_3e-3": "LeCun over F, MSE at 3e-3 (recipe 1; TSFast's rate)",
 }
 # TSFast's side: its documented recipe (benchmarks/_tsfast_driver.py), keyed by these.
 TSFAST_RECIPE = dict(recipe="tsfast-0.5.0-documented", lr=LR, window=WINDOW, batch=BATCH,
@@ -245,8 +248,8 @@ def _head_at_raw_units(params: Any, y_stats: Any) -> Any:
 
 
 def _lecun_over_f(params: Any) -> Any:
-    """The GRU/RNN input kernels as blox.nn drew them before issue 26 (LeCun normal over
-    the fan-in F alone): today's draw (over F + H) scaled by ``sqrt((F + H) / F)``, the
+    """The GRU/RNN input kernels as blox.nn used to draw them (LeCun normal over the
+    fan-in F alone): today's draw (over F + H) scaled by ``sqrt((F + H) / F)``, the
     same truncated normal at the other scale. LSTM kernels (over ``[x, h]``) stay."""
     import blox as bx
 

@@ -394,8 +394,8 @@ class RNNModel(SysIdModel):
 
     DEFAULT_HEAD_SCALE = 10.0
     """``head_scale`` when none is given with ``init='lecun'``: the head drawn at 10 x
-    LeCun normal, standard deviation ``10 / sqrt(H)`` (docs/sysid.md, "The recipe's
-    defaults", gives the ablation)."""
+    LeCun normal, standard deviation ``10 / sqrt(H)`` (docs/sysid.md, "How the defaults
+    were chosen", gives the ablation)."""
 
     def __init__(
         self,

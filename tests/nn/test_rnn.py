@@ -459,7 +459,7 @@ def test_default_input_kernel_scale_is_lecun_over_the_joint_fan_in(kind, feature
     # input weights start at variance 1 / (F + H) for every cell (the LSTM's one kernel
     # over [x, h] has it by its shape). LeCun over F alone started a GRU on one input
     # channel at standard deviation 1, which trained a 2-layer sys-id GRU to about twice
-    # TSFast's error (issue 26).
+    # TSFast's error (docs/sysid.md, "How the defaults were chosen").
     hidden = 256  # one input row holds kH >= 256 draws: the RMS within ~5 %
     g = bx.Graph("m")
     rng = bx.Rng(g / "rng")

@@ -257,7 +257,7 @@ def test_model_errors():
         ar(params, u, y[:, :5])
 
 
-# -- initialization (issue 26: PyTorch's default, the sys-id recipe's) -----------------
+# -- initialization (PyTorch's default, the sys-id recipe's) ----------------------------
 
 
 @pytest.mark.parametrize("cell", ["gru", "lstm", "rnn"])
@@ -290,7 +290,7 @@ def test_torch_init_draws_pytorchs_uniform_bounds(cell):
 
 def test_lecun_init_keeps_blox_nn_defaults_and_a_bad_init_is_named():
     # 'lecun' (the default): blox.nn's GRU input kernel is LeCun normal over the joint
-    # fan-in F + H (over F alone one input channel started at std 1, issue 26); the
+    # fan-in F + H (over F alone one input channel started at std 1); the
     # recurrent kernel orthogonal per gate (each (H, H) block: W^T W = I).
     hidden = 256
     g = bx.Graph("m")

@@ -1,5 +1,5 @@
-"""fit_sysid's checks of issue 34 item 9: a validation score that is not finite raises
-(it returned the untrained initial params with best_step 0), and validation recordings
+"""fit_sysid's checks: a validation score that is not finite raises (it used to return
+the untrained initial params with best_step 0), and validation recordings
 that cannot be scored are refused before training, naming the recording."""
 
 import re
@@ -64,7 +64,7 @@ def test_a_nan_score_raises_naming_the_diverged_param(setup, bad_from):
         match=rf"validation after step {n} scored nan .*training diverged: the params after "
         rf"step {n} hold NaN or inf \(the first: '{path}'\).*clip=1\.0.*{before}",
     ):
-        # before issue 34: returned the initial params, best_step 0, without a word
+        # the defect guarded: it returned the initial params, best_step 0, without a word
         fit_sysid(model, params, iter(batches), tx=tx, steps=4, valid=valid, eval_every=1,
                   noise=0.0)  # fmt: skip
 
@@ -94,7 +94,7 @@ def test_validation_recordings_that_cannot_be_scored_are_refused_before_training
         return fit_sysid(model, params, iter([]), steps=1, valid=recs)
 
     short = {k: v[:N_SKIP] for k, v in valid[0].items()}
-    # before issue 34: "n_skip must be an int in [0, T) = [0, 0), got 0" when all were
+    # it used to fail with "n_skip must be an int in [0, T) = [0, 0), got 0" when all were
     # short, and a short one among others was silently left out of the score
     for recs, i in (([short], 0), ([valid[0], short], 1)):
         too_short = rf"recording {i} has {N_SKIP} time steps, no more than the model's n_skip="
