@@ -4,7 +4,7 @@ Run (``make bench``)::
 
     .venv/bin/python benchmarks/cnn_speed.py --out docs/benchmarks.md
 
-Workload (issue 5): batch 64 of 28x28x1 images, conv 3x3 -> 32, ReLU, 2x2 max-pool,
+Workload: batch 64 of 28x28x1 images, conv 3x3 -> 32, ReLU, 2x2 max-pool,
 conv 3x3 -> 64, ReLU, 2x2 max-pool, dense -> 10, softmax cross-entropy, one Adam step.
 blox runs the documented split/grad/merge step on a `bx.Params`; raw JAX runs the same
 math on a ``{str: array}`` dict with ``lax.conv_general_dilated`` (NHWC / HWIO, 'SAME'),

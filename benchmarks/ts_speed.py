@@ -5,7 +5,7 @@ Run (``make bench``)::
 
     .venv/bin/python benchmarks/ts_speed.py --out docs/benchmarks.md
 
-Workloads (issue 17): ``blox.ts.RNNModel(cell='gru', hidden_size=64)`` with internal
+Workloads: ``blox.ts.RNNModel(cell='gru', hidden_size=64)`` with internal
 normalization (non-trainable statistics), the loss in per-channel normalized units
 (`blox.ts.make_sysid_step`, one Adam step) on ``u, y [32, 1000, 1]``; and the free-run
 simulation of ``100,000`` steps (``model.simulate``, a ``lax.scan``) of one sequence.

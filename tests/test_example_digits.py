@@ -1,4 +1,4 @@
-"""Smoke tests for issue 5's scripts: ``examples/digits_cnn.py --size tiny`` learns, and
+"""Smoke tests of the CNN scripts: ``examples/digits_cnn.py --size tiny`` learns, and
 ``benchmarks/cnn_speed.py --quick`` runs its same-math checks and writes its section.
 
 No timing asserts: timings on a shared machine are noise at these sizes.

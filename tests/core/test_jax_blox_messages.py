@@ -1,4 +1,4 @@
-"""Error texts that jax-blox 0.1.6's tests match on (issue 23 item 14): blox keeps its
+"""Error texts that jax-blox 0.1.6's tests match on: blox keeps its
 longer messages, and they contain jax-blox's words, so `pytest.raises(match=...)` written
 for jax-blox keeps passing."""
 

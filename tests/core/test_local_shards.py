@@ -1,4 +1,4 @@
-"""Hand-written tensor parallelism (jax-blox compatibility, issue 23 item 11): inside
+"""Hand-written tensor parallelism (jax-blox compatibility): inside
 ``jax.shard_map`` a layer accepts its parameter's per-device shard (the expected shape
 divided along dimensions by manual mesh-axis sizes), and computes the local slice; any
 other stored shape is still an error naming path and shapes."""

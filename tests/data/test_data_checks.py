@@ -1,4 +1,4 @@
-"""blox.data checks of issue 23: dtypes refused at build time, bounded open files, the
+"""blox.data checks: dtypes refused at build time, bounded open files, the
 in-memory cache, one notice per file, build-time reads and a quiet exit with workers."""
 
 import logging
@@ -32,7 +32,7 @@ def _run_python(code: str, timeout: int = 240) -> subprocess.CompletedProcess:
     )
 
 
-# -- item 1: variable-length strings crashed Python (memory-mapped as objects) ---------
+# -- variable-length strings crashed Python (memory-mapped as objects) ---------
 
 
 @pytest.mark.slow
@@ -55,7 +55,7 @@ def test_variable_length_strings_raise_instead_of_crashing(tmp_path):
     assert "dataset 'y' holds variable-length strings" in done.stdout
 
 
-# -- item 2: non-numeric datasets, refused when the index is built ---------------------
+# -- non-numeric datasets, refused when the index is built ---------------------
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_bool_and_integer_datasets_are_numbers(tmp_path):
     assert src.dtypes == {"f": np.dtype(bool), "c": np.dtype(np.uint16)}
 
 
-# -- item 3: complex data was cast to real (a ComplexWarning only) ---------------------
+# -- complex data was cast to real (a ComplexWarning only) ---------------------
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["memmap", "h5py"])
@@ -111,7 +111,7 @@ def test_complex_refused_for_a_real_dtype_and_kept_when_asked(tmp_path, chunked)
         kept.read(0, 0, 3, dtype=np.float64)  # e.g. channel_stats' float64 blocks
 
 
-# -- item 4: open files bounded (an LRU of maps and handles) ---------------------------
+# -- open files bounded (an LRU of maps and handles) ---------------------------
 
 
 @pytest.mark.slow
@@ -167,7 +167,7 @@ def test_open_files_lru_and_close(tmp_path):
         WindowedSource(paths, ["y"], window=4, cache_bytes=-1)
 
 
-# -- item 7: an in-memory cache for small compressed recordings ------------------------
+# -- an in-memory cache for small compressed recordings ------------------------
 
 
 def test_cache_keeps_compressed_recordings_in_memory(tmp_path):
@@ -208,7 +208,7 @@ def test_cache_is_bounded_least_recently_used_first(tmp_path):
         src[0]
 
 
-# -- item 8: one notice per file (and process), however many indexes read it ----------
+# -- one notice per file (and process), however many indexes read it ----------
 
 
 def test_one_notice_per_file_across_indexes(tmp_path, caplog):
@@ -225,7 +225,7 @@ def test_one_notice_per_file_across_indexes(tmp_path, caplog):
     assert p2[0] in notices[2] and "'u0', 'y' read through h5py" in notices[2]
 
 
-# -- item 10: bad data found at build time; no noise at exit after close() -------------
+# -- bad data found at build time; no noise at exit after close() -------------
 
 
 class _Broken:
@@ -273,7 +273,7 @@ def test_no_exception_ignored_at_exit_after_close():
     assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
 
 
-# -- issue 34 item 10: files changed after indexing ------------------------------------
+# -- files changed after indexing ------------------------------------------------------
 
 
 def _rewrite(path, how, u, y):
@@ -303,7 +303,7 @@ def test_a_file_changed_after_indexing_raises_at_open(tmp_path, how):
     u2, y2 = _rewrite(path, how, u + 1000.0, y - 1000.0)
     changed = {"swapped": "modified at", "replaced": "inode", "longer": "size 2[0-9]+ -> "}
     match = rf"HDF5 file '{re.escape(path)}' changed after it was indexed \(.*{changed[how]}"
-    # before issue 34 these read the old offsets: y's bytes (or the new u) as u, silently
+    # a stale index used to read the old offsets: y's bytes (or the new u) as u, silently
     with pytest.raises(ValueError, match=match + r".*source\.reindex\(\)"):
         src[1]
     worker = pickle.loads(shipped)  # a worker's first open checks the pickled index

@@ -166,7 +166,7 @@ def test_normalize_errors():
         norm.std(bx.Params())
 
 
-# -- issue 34 item 8: NaN or inf in training data -------------------------------------
+# -- NaN or inf in training data ----------------------------------------------------
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])

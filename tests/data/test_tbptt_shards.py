@@ -113,7 +113,7 @@ def test_tbptt_errors(tmp_path):
 def test_shards_are_disjoint_and_cover_the_index(shard_count, n):
     batch = 8
     src = ArraySource({"id": np.arange(n), "x": np.arange(n * 3.0).reshape(n, 3)})
-    # issue 34 item 11: a partial batch of 6 splits evenly over 2 shards (3 rows each),
+    # A partial batch of 6 splits evenly over 2 shards (3 rows each),
     # not over 4 (refused below): only the uneven case needs drop_remainder.
     drop = (n % batch) % shard_count != 0
     kw = dict(batch_size=batch, shuffle=True, seed=1, drop_remainder=drop)
@@ -142,8 +142,8 @@ def test_shards_are_disjoint_and_cover_the_index(shard_count, n):
 
 @pytest.mark.parametrize("num_epochs", [2, None])
 def test_partial_batch_allowed_unless_shards_would_get_unequal_parts(num_epochs, caplog):
-    # issue 34 item 11: an endless pipeline keeps its partial batch (jax.jit compiles that
-    # shape once, not once per epoch); issue 22 item 13's refusal stays where it is real:
+    # An endless pipeline keeps its partial batch (jax.jit compiles that shape once, not
+    # once per epoch); the refusal of partial batches stays where it is needed:
     # a partial batch of 6 over 4 shards would be unequal parts ([2, 2, 2, 0] or so).
     n, batch = 22, 8
     src = ArraySource({"id": np.arange(n)})

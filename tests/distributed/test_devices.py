@@ -1,4 +1,4 @@
-"""Issue 22 item 8: each process of a GPU host drives its own GPUs, without a GPU here.
+"""Each process of a GPU host drives its own GPUs, without a GPU here.
 
 The assignment is a pure function of the environment and of the device files a host
 lists; these tests feed it the environments of ``python -m blox.launch``, torchrun-style
@@ -311,7 +311,7 @@ def test_initialize_device_errors():
         initialize(local_device_ids=[1, 1])
 
 
-# --- issue 22 item 23: the JAX internals initialize reads fail clearly when moved -------
+# --- the JAX internals initialize reads fail clearly when moved ----------------------
 
 
 def test_a_jax_without_the_cluster_detection_fails_clearly(monkeypatch):

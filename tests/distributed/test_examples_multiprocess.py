@@ -1,4 +1,4 @@
-"""Issue 16, test 1, on the parallel examples: through ``python -m blox.launch -n 2
+"""The parallel examples in several processes: through ``python -m blox.launch -n 2
 --devices-per-process 4``, ``examples/dp_classifier.py`` (DP over 8 devices) and
 ``examples/gpt_tp.py --mesh 2x4`` (DP x TP, the model axis inside each process, the data
 axis across them) print the same ``step=<n> loss=<repr>`` lines on rank 0 as one process

@@ -1,4 +1,4 @@
-"""Issue 22 items 9, 10, 11 and 21: the launcher ends a group promptly, with the failing
+"""The launcher ends a group promptly, with the failing
 process's status, whatever way a process fails: it never joins, it calls ``sys.exit(3)``,
 it raises while its peers are in a checkpoint save, or it raises outside the launcher
 (its ``atexit`` handlers and buffered logs still run); and the launcher is safe to call
@@ -28,7 +28,7 @@ from blox.distributed._rendezvous import inherited_listener, listen, roll_call
 from tests.distributed.test_launch import WORKER, _alive, _finish, _read_pids, _start
 from tests.scripts import ROOT, clean_env, start
 
-# --- item 9: a process that never joins ----------------------------------------------
+# --- a process that never joins ----------------------------------------------
 
 
 def _run(*args: str, **kwargs) -> tuple[int, str, str, float]:
@@ -69,7 +69,7 @@ def test_the_join_check_can_be_turned_off(monkeypatch, capsys):
     assert "join_timeout=-1.0 must be positive" in capsys.readouterr().err
 
 
-# --- item 10: sys.exit(3) in one process ----------------------------------------------
+# --- sys.exit(3) in one process ----------------------------------------------
 
 
 @pytest.mark.slow
@@ -91,7 +91,7 @@ def test_sys_exit_status_ends_the_group_within_seconds():
     assert not any(_alive(p) for p in pids.values()), pids
 
 
-# --- item 21: a process raises while its peers are in a checkpoint save ---------------
+# --- a process raises while its peers are in a checkpoint save ---------------
 
 
 @pytest.mark.slow
@@ -150,7 +150,7 @@ def test_the_first_report_is_the_cause_when_the_peers_report_in_the_same_look(
     assert notes[0].startswith("process 1 "), notes
 
 
-# --- item 11: exit_on_error keeps atexit handlers and buffered logs -------------------
+# --- exit_on_error keeps atexit handlers and buffered logs -------------------
 
 
 @pytest.mark.slow
@@ -184,7 +184,7 @@ def test_an_uncaught_exception_runs_atexit_and_flushes_logs_then_exits(tmp_path)
             p.communicate()
 
 
-# --- item 11: no preexec_fn, the port held until process 0 takes it --------------------
+# --- no preexec_fn, the port held until process 0 takes it --------------------
 
 
 def test_launch_holds_the_port_and_starts_without_preexec_fn(tmp_path, monkeypatch):

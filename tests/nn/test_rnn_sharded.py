@@ -1,6 +1,6 @@
 """Recurrent layers in their default ``lax.scan`` mode inside ``jax.shard_map`` over a data
-axis (issue: the zero initial state was invariant over the axis while the state after one
-step varies with the batch shard, and ``lax.scan`` refused the carry).
+axis (the defect guarded: the zero initial state was invariant over the axis while the
+state after one step varies with the batch shard, and ``lax.scan`` refused the carry).
 
 Reference: the same layer on one device over the whole batch with ``is_static=True`` (the
 Python-loop scan, no ``lax.scan``): rows are independent, so each shard's rows equal the

@@ -1,10 +1,11 @@
 """Smoke tests of the parallel examples at tiny size: the printed per-step losses agree
 across meshes (the examples' contract), the GPT example prints its sharding table, and a
 run stopped and resumed from its checkpoint (``--ckpt-dir``, ``--save-every``) prints the
-lines of a run that never stopped: bit for bit on the same mesh (issue 14, test 2, the DP
+lines of a run that never stopped: bit for bit on the same mesh (exact resume, the DP
 example), within 1e-5 when ``examples/gpt_tp.py`` resumes a TP = 2 checkpoint written on a
-4x2 mesh on 2x4 (TP = 4) or 8x1 (DP only) (issue 14, test 3). (``gpt_tp.py --fsdp`` in one
-process is checked beside the launched run, in tests/parallel/test_fsdp_multiprocess.py.)
+4x2 mesh on 2x4 (TP = 4) or 8x1 (DP only), a checkpoint restored onto another mesh.
+(``gpt_tp.py --fsdp`` in one process is checked beside the launched run, in
+tests/parallel/test_fsdp_multiprocess.py.)
 
 References: the uninterrupted run of the same script on the mesh compared with; the
 1-device run for the DP example. The runs of one test that do not depend on each other

@@ -1,4 +1,4 @@
-"""Fully sharded data parallelism (issue 25) against independent references: the
+"""Fully sharded data parallelism against independent references: the
 one-device run (plain ``jax.value_and_grad`` + Optax on the whole batch) and plain DP
 (`make_dp_train_step`); per-device bytes read from the arrays' shardings; the compiled
 program's memory analysis and collectives; checkpoints restored onto other layouts; the

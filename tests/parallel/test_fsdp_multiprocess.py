@@ -1,4 +1,4 @@
-"""Issue 25, FSDP under ``python -m blox.launch``: ``examples/gpt_tp.py --mesh 2x4 --fsdp``
+"""FSDP under ``python -m blox.launch``: ``examples/gpt_tp.py --mesh 2x4 --fsdp``
 in 2 processes x 4 devices (the data axis across the processes, the model axis inside
 each), and in one process on 8 devices, prints the ``step=<n> loss=<repr>`` lines of the
 one-device run (``--mesh 1x1``) to 1e-5 relative, the same on both ranks; its
@@ -80,7 +80,7 @@ def test_launched_fsdp_run_matches_one_device_and_its_checkpoint_resumes_in_one_
             "--save-every",
             str(SAVED),
         ),
-        # FSDP x TP in one process on 8 devices (issue 25): the same losses and layout.
+        # FSDP x TP in one process on 8 devices: the same losses and layout.
         "fsdp_one_process": start(*SCRIPT, "--mesh", "2x4", "--fsdp", "--steps", str(SAVED)),
     }
     outs = finish(procs)

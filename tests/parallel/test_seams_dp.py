@@ -1,12 +1,11 @@
-"""Issue 34 seams of the DP, FSDP and one-device train steps, against independent
-references:
+"""Seams of the DP, FSDP and one-device train steps, against independent references:
 
-* item 1: dropout in a DP / FSDP step draws per-shard masks when its Rng is listed in
+* dropout in a DP / FSDP step draws per-shard masks when its Rng is listed in
   ``rngs=`` (equal to one-device runs of each shard with the seed folded by the shard
   index), and raises naming the Rng and ``rngs=`` when it is not;
-* item 5: a layer first created inside the loss raises in `make_train_step`, the DP and
+* a layer first created inside the loss raises in `make_train_step`, the DP and
   FSDP steps and `fit`, naming the new paths and ``locked()``;
-* item 7: bf16 gradients are summed in float32 (``reduce_dtype``): the lowered HLO shows
+* bf16 gradients are summed in float32 (``reduce_dtype``): the lowered HLO shows
   f32 all-reduces / reduce-scatters, and gradients whose per-shard values are exact in
   bf16 come out as the correctly rounded f32 sum (today's bf16 sums miss it).
 """

@@ -1,6 +1,7 @@
-"""The trace-time guards of the train steps (blox.core._guards) and `bp.place`
-(issue 34, items 1, 5 and 17): each check is run traced (inside ``jax.jit``), on the
-misuse and on the look-alikes that must pass."""
+"""The trace-time guards of the train steps (blox.core._guards) and `bp.place`: an
+unlisted Rng under a data axis, a layer first created inside the loss, and `place`'s
+checks. Each check is run traced (inside ``jax.jit``), on the misuse and on the
+look-alikes that must pass."""
 
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def test_rng_drawn_inside_a_scan_is_flagged():
 
 
 # ---------------------------------------------------------------------------
-# place (item 17)
+# place
 # ---------------------------------------------------------------------------
 
 
