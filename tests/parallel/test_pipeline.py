@@ -112,7 +112,7 @@ GRID += [("1f1b", m, None, False) for m in (4, 8, 16, 32)]
 GRID += [(s, m, None, True) for s in ("gpipe", "1f1b") for m in (4, 32)]
 GRID += [("gpipe", 4, "bf16", False), ("1f1b", 32, "bf16", False)]
 GRID += [("gpipe", 32, "bf16", True), ("1f1b", 4, "bf16", True)]
-# 1F1B whose slots hold one backward or two forwards (issue 24 item 4)
+# 1F1B whose slots hold one backward or two forwards
 GRID += [("1f1b-2f", m, None, False) for m in (4, 8)]
 GRID += [("1f1b-2f", 32, None, True), ("1f1b-2f", 8, "bf16", False), ("1f1b-3f", 8, None, False)]
 
@@ -155,8 +155,8 @@ def test_matches_sequential(schedule, m, policy, remat):
 
 def test_bfloat16_activations_and_params_match_the_bf16_sequential_model():
     """bf16 inputs and params (bf16 gradients): the pipeline agrees with the same bf16
-    model run sequentially to bf16 tolerance (issue 22 item 24: this compared with the
-    f32 model at rtol 0.1 / atol 0.05 before)."""
+    model run sequentially to bf16 tolerance (a comparison with the f32 model at rtol 0.1 /
+    atol 0.05 was too loose to catch a bf16 error)."""
     first_fn, stage_fn, last_fn, shared, stages = _model()
     bf = lambda t: jax.tree.map(  # noqa: E731
         lambda v: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v, t

@@ -1,4 +1,4 @@
-"""The pipeline runtime's cost (issue 24): linear in the microbatch count m (no buffer
+"""The pipeline runtime's cost: linear in the microbatch count m (no buffer
 that grows with m is an operand of a conditional; the compiled program's copies do not
 grow with m; per-microbatch time flat) and its memory (1F1B flat in m; a large-vocabulary
 head costs one microbatch of logits, not one per stashed microbatch; bf16 compute over

@@ -1,4 +1,4 @@
-"""Interleaved (virtual-stage) 1F1B in the pipeline runtime (issue 27): each device runs
+"""Interleaved (virtual-stage) 1F1B in the pipeline runtime: each device runs
 ``v`` stage chunks (model stage ``c p + s`` on device ``s``), against the same ``v p``
 stages run sequentially on one device with plain ``jax.value_and_grad`` (the
 independent reference): loss, every gradient and the non-trainable state; memory and

@@ -1,9 +1,9 @@
-"""Issue 24 item 5 / issue 22 item 12: under ``python -m blox.launch -n 2
+"""Under ``python -m blox.launch -n 2
 --devices-per-process 4`` (the data x stage mesh spans both processes), `unstack_stages`
 splits the stage params (equal to the per-stage params put in) and a 1F1B pipeline step's
 loss and per-stage gradients equal the one-process run on 8 simulated devices (the
 reference); both ranks print the same values; each process's host rows passed as the
-batch are refused with DP's error (issue 34 item 3).
+batch are refused with DP's error.
 Worker: tests/parallel/pp_worker.py."""
 
 from __future__ import annotations

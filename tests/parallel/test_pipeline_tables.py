@@ -1,4 +1,4 @@
-"""Schedule tables of issue 27 (interleaved 1F1B, ZB-H1, W actions, chunks) and the
+"""Schedule tables (interleaved 1F1B, ZB-H1, W actions, chunks) and the
 `Schedule.program` arrays the runtime follows, in pure NumPy: closed forms for the slot
 counts and idle fractions, independent counts of the in-flight stashes, every validation
 error, and an interpreter that runs each program slot by slot on tagged buffers."""

@@ -1,4 +1,4 @@
-"""Zero-bubble ZB-H1 in the pipeline runtime (issue 27): the backward split into ``B``
+"""Zero-bubble ZB-H1 in the pipeline runtime: the backward split into ``B``
 (the cotangent of the stage input, which the previous stage waits for) and ``W`` (the
 weight gradient, in otherwise idle slots), against the sequential model on one device
 (the reference; helpers in test_pipeline_interleaved.py); the split's cost (B + W run

@@ -1,4 +1,5 @@
-"""Issue 34, the pipeline's seams: `pipeline_value_and_grad` against one-device runs
+"""The pipeline's seams (where it composes with DP, dropout, padding, shared state
+and low precision): `pipeline_value_and_grad` against one-device runs
 written with plain ``jax.value_and_grad`` (the independent references).
 
 * Every schedule (GPipe, 1F1B, 1F1B-2F, interleaved, ZB-H1) on a (data 2, stage 2) mesh
@@ -6,17 +7,17 @@ written with plain ``jax.value_and_grad`` (the independent references).
   its loss NaN), dropout in the stages and one `Rng` shared by ``first_fn`` and
   ``last_fn``, listed in ``rngs=``: loss and gradients are the global weighted mean of
   one-device runs of each shard with its seeds folded by the shard index, and the final
-  counters are the one-device run's (items 1, 2, 6).
+  counters are the one-device run's.
 * ``first_fn`` and ``last_fn`` drawing from one shared `Rng` (no data axis): the
-  one-device sequential run's loss, gradients and counter (item 6); state that cannot be
+  one-device sequential run's loss, gradients and counter; state that cannot be
   merged raises naming the leaf.
 * bf16 params: the accumulation over microbatches and the collectives run in float32
   (the lowered program's scan carry and all-reduces; FSDP stages' reduce-scatter), and
   gradients match the float32 model within bf16 compute error where bf16 sums are 5 %
-  off (item 7).
+  off.
 * Integer state computed from the batch on a data axis raises naming the leaf.
 * Misuse raises at trace time: a parameter created in a function, an `Rng` that draws on
-  a data axis without being listed in ``rngs=`` (items 1, 5).
+  a data axis without being listed in ``rngs=``.
 """
 
 from __future__ import annotations
