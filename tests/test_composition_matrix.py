@@ -379,7 +379,6 @@ ERRORS: dict[tuple[str, str], tuple] = {
 # Cells that fail on today's tree: a defect whose fix has not landed (issue 34 items).
 # They are not run (not skipped: absent) until the fix lands; the doc lists them.
 PENDING: dict[tuple[str, str], str] = {
-    **{("int_state", p): "defect: pmax" for p in ("dp_pp", "fsdp_pp", "dp_tp_pp")},
     **{("dropout", "ep"): "ep: no rngs", ("rng_counters", "ep"): "ep: no rngs"},
     ("unlisted_rng", "ep"): "ep: no rngs",
     ("batchnorm", "ep"): "ep: state",
@@ -389,13 +388,6 @@ PENDING: dict[tuple[str, str], str] = {
 }
 # What each pending label stands for (the observed and the expected numbers).
 DEFECTS = {
-    "defect: pmax": (
-        "found by this matrix: `pipeline_value_and_grad` with a `data_axis` returns the "
-        "`pmax` over the data shards of integer state that differs between them (the "
-        "`s0/tally/count` of the `dp_pp` cell comes back 48, the larger shard's count; "
-        "the shards count 48 and 33, one device 81), where the DP and FSDP steps raise "
-        "naming the leaf"
-    ),
     "ep: no rngs": (
         "found by this matrix: `ep_value_and_grad` takes no `rngs=` and folds no seed, so "
         "every shard of the expert axis draws the same masks (dropout: loss 5.2298 "
