@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         "First save of a manager, blocked time (ms), median of "
         f"{repeats} fresh managers per row (new shapes each), with the checksums started "
         "`now` (no copy and no compilation in `save`: the first save copies each leaf "
-        "asynchronously to host memory, summed in the commit thread, while one program "
+        "asynchronously to host memory (on CPU: keeps a NumPy view), summed in the commit "
+        "thread, while one program "
         "for all leaves compiles in a background thread; later saves dispatch it), "
         "`before` (leaves up to 1 MiB copied to the host and summed in `save`, the "
         "others summed by a program compiled in `save`) and `off` (no checksums):",
