@@ -1,4 +1,4 @@
-"""Issue 14, test 4: a training process saving asynchronously every step is killed with
+"""A training process saving asynchronously every step is killed with
 SIGKILL at random moments and restarted each time. Every restart must restore the last
 *committed* step (its state bit-identical to the uninterrupted run's state at that step,
 never a partial one), and the final state must equal the uninterrupted run's.
@@ -99,8 +99,8 @@ def test_sigkill_during_async_saves_never_corrupts(tmp_path):
             rest, err = proc.communicate(timeout=120)
             assert proc.returncode == 0, err[-3000:]
         text = "".join(out_lines) + rest
-        # Every step committed so far holds its checksums (written inside the commit,
-        # issue 34 item 13), so the next restart restores it verified, never unchecked.
+        # Every step committed so far holds its checksums (written inside the commit),
+        # so the next restart restores it verified, never unchecked.
         for s in _committed(directory):
             assert (directory / str(s) / "blox" / "checksums.json").exists(), (attempt, s)
         m = re.search(r"^restored step=(\d+) digest=(\w+)$", text, re.M)

@@ -1,4 +1,4 @@
-"""The checksums are part of the committed step (issue 34 item 13): Orbax renames a step's
+"""The checksums are part of the committed step: Orbax renames a step's
 temporary directory only once the ``blox`` item (description and checksums) is written,
 so no committed step lacks them; a blox step without them (as a process killed between
 the commit and the checksum write left it before) raises, or restores with a warning on

@@ -1,4 +1,4 @@
-"""Restoring a data-iterator position saved by another process count (issue 34 item 15):
+"""Restoring a data-iterator position saved by another process count:
 the error names the cause (saved by N processes, restored by M), never "damaged ...
 delete the directory", and ``data_from_step`` positions a `blox.data.pipeline` iterator
 from the step instead.

@@ -1,4 +1,4 @@
-"""Checksums of every dtype (issue 34 item 12) and verified casts (item 14).
+"""Checksums of every dtype and verified casts.
 
 References: the checksum as documented (32-bit little-endian words of the raw bytes, each
 mixed with its flat word index, summed modulo 2**32), computed here with Python integers

@@ -1,4 +1,4 @@
-"""Issue 14, test 2: a run interrupted at step k and resumed gives, for the following steps,
+"""A run interrupted at step k and resumed gives, for the following steps,
 losses whose float bits equal those of the uninterrupted run. Model: the single-device demo
 (`examples/mlp_regression.py`, an MLP with dropout, so the RNG counter must resume too),
 Adam, data order from a shuffled Grain iterator whose position is checkpointed."""

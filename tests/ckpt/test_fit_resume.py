@@ -1,4 +1,4 @@
-"""Issue 14: `fit` checkpoints through `CheckpointCallback` and resumes on start.
+"""`fit` checkpoints through `CheckpointCallback` and resumes on start.
 
 A run interrupted at step k (Ctrl-C mid-epoch, or fewer epochs) and started again with the
 same checkpoint directory gives, for the remaining steps, losses and final params whose
@@ -255,7 +255,7 @@ def test_checkpoint_without_iterator_state_resumed_with_a_grain_stream(tmp_path)
 def test_resume_positions_the_stream_from_the_step(tmp_path, references):
     """data_from_step=True: the Grain stream is set to batch `step` instead of its saved
     position (here removed, as for a step saved by another process count); the resumed
-    losses are the uninterrupted run's (issue 34 item 15)."""
+    losses are the uninterrupted run's."""
     ref_losses, ref_params = references["float32", "grain"]
     _fit(tmp_path, "grain", "float32", stop_at=6)
     for s in (5, 6):

@@ -1,6 +1,6 @@
 """Damaged checkpoints and failed writes raise a `CheckpointError` naming the directory, the
-step, the leaf and the fix (issue 22 items 14 and 19); steps written by plain Orbax are
-restored (item 20); `partial=True` restores a subset or another optimizer's structure.
+step, the leaf and the fix; steps written by plain Orbax are
+restored; `partial=True` restores a subset or another optimizer's structure.
 
 References: the saved arrays themselves (bit equality), files damaged on purpose (bytes
 flipped, truncated, deleted, metadata overwritten), and a write made to fail by the

@@ -1,4 +1,4 @@
-"""Issue 14, test 5: a checkpoint saved by 2 processes (``python -m blox.launch -n 2
+"""A checkpoint saved by 2 processes (``python -m blox.launch -n 2
 --devices-per-process 4``) restores in 1 process, onto other layouts.
 
 The group saves a train state laid out on a (4, 2) ``data`` x ``model`` mesh that spans
@@ -12,9 +12,9 @@ element-wise arithmetic (bit for bit whatever the layout: the random initializer
 partitionable Threefry, the made-up gradients are ``0.5 * w + 0.1``), and ``np.arange``
 for the split array.
 
-Each process also saves the position of its shard of a `blox.data.pipeline` (after
-STEP batches): restored by one process it raises naming both process counts (issue 34
-item 15), and ``data_from_step=True`` positions the one-process pipeline at batch STEP,
+Each process also saves the position of its shard of a `blox.data.pipeline` (after STEP
+batches): restored by one process it raises naming both process counts, and
+``data_from_step=True`` positions the one-process pipeline at batch STEP,
 whose next batch is the uninterrupted one-process pipeline's (the reference).
 
 This file is also the worker: ``python tests/ckpt/test_multiprocess_save.py DIR`` (under

@@ -1,4 +1,4 @@
-"""Issue 14, test 3 at the library level: a TP = 2 train state (params + Adam state + step,
+"""At the library level: a TP = 2 train state (params + Adam state + step,
 plus a bf16 copy of the weights) saved on a (4, 2) ``data`` x ``model`` mesh restores onto
 a (2, 4) mesh with TP = 4 and onto an (8,) data-only mesh. The values equal the saved ones
 bit for bit, and every restored array carries the sharding that the *new* mesh's rules
@@ -183,7 +183,7 @@ def test_restore_onto_another_mesh_abstract_target(saved, shape):
     _check(restored, host, mesh)
 
 
-# Issue 22 item 18: the documented recipe, restore(jax.eval_shape(init), mesh=new_mesh).
+# The documented recipe, restore(jax.eval_shape(init), mesh=new_mesh).
 # These parameters carry no metadata['sharding'] (ParallelTransformerBlock leaves the
 # layout to the rules), so nothing in the target says how to lay them out.
 

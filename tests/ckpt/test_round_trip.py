@@ -1,4 +1,4 @@
-"""Issue 14, test 1: params + optimizer + step + RNG + iterator position + loss scale + EMA
+"""Params + optimizer + step + RNG + iterator position + loss scale + EMA
 survive a save/restore tree-equal: values (bit for bit), dtypes, trainable flags, metadata.
 The reference is the state that was saved, restored into a *different* state (another
 seed, not trained) so that a no-op restore cannot pass."""

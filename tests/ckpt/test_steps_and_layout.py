@@ -1,6 +1,6 @@
-"""Issue 22 items 15-17 and 3 (checkpoint side): steps must increase (an old run's
+"""Checkpoint steps and layout: steps must increase (an old run's
 directory raises; ``force=True`` overwrites), integer scalar arrays are steps, ``mesh``
-lays a concrete target out (item 18, the TP layout of the ``jax.eval_shape`` recipe, is
+lays a concrete target out (the TP layout of the ``jax.eval_shape`` recipe is
 tested in tests/ckpt/test_reshard.py), and Adafactor's
 factored statistics get a valid (replicated) layout.
 
@@ -30,7 +30,7 @@ def _state(step=0, seed=0):
     return {"params": params, "w": jnp.arange(6.0).reshape(2, 3) + step, "step": step}
 
 
-# -- item 15: steps must increase ------------------------------------------------------
+# -- steps must increase -----------------------------------------------------------------
 
 
 def test_saving_into_an_old_runs_directory_raises(tmp_path):
@@ -65,7 +65,7 @@ def test_same_step_saved_twice_by_one_manager_is_a_no_op(tmp_path):
             mngr.save(1, _state(1))
 
 
-# -- item 16: integer scalar arrays are steps --------------------------------------------
+# -- integer scalar arrays are steps -----------------------------------------------------
 
 
 def test_integer_scalar_array_steps(tmp_path):
@@ -91,7 +91,7 @@ def test_integer_scalar_array_steps(tmp_path):
     assert ckpt.CheckpointManager(tmp_path).all_steps() == [1, 2, 3, 4]
 
 
-# -- item 17: mesh lays out a concrete target ----------------------------------------------
+# -- mesh lays out a concrete target -----------------------------------------------------
 
 
 def test_concrete_target_with_mesh_is_laid_out_on_the_mesh(tmp_path):
@@ -121,10 +121,10 @@ def test_concrete_target_with_mesh_is_laid_out_on_the_mesh(tmp_path):
     assert restored["params"][k].value.sharding == special
 
 
-# -- item 18: tests/ckpt/test_reshard.py (test_eval_shape_recipe_*) --------------------
+# -- the eval_shape recipe's layout: tests/ckpt/test_reshard.py (test_eval_shape_recipe_*)
 
 
-# -- item 3 (checkpoint side): Adafactor's factored statistics -----------------------------
+# -- Adafactor's factored statistics -----------------------------------------------------
 
 
 def test_adafactor_state_round_trips_on_a_sharded_mesh(tmp_path):

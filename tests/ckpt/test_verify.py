@@ -1,5 +1,5 @@
-"""`ckpt.verify` and ``python -m blox.ckpt verify DIR`` check a checkpoint without a model
-(issue 34 item 16): one row per step (step, leaves, bytes, status), an intact step ok, a
+"""`ckpt.verify` and ``python -m blox.ckpt verify DIR`` check a checkpoint without a model:
+one row per step (step, leaves, bytes, status), an intact step ok, a
 corrupted one named with its leaf, a non-zero exit status on corruption.
 
 References: the saved state (its leaf count and its bytes, counted here from the arrays;
