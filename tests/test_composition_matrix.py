@@ -1,4 +1,4 @@
-"""The composition matrix (issue 34 item 22): every stateful feature on every path.
+"""The composition matrix: every stateful feature on every path.
 
 Rows (`FEATURES`) are the stateful features of a model: dropout through an `Rng` (and
 the same with the `Rng` left out of ``rngs=``), BatchNorm running statistics (per shard,
@@ -131,7 +131,7 @@ FEATURES = (
         list_rngs=False,
         semantics=(
             "a step with a data axis cannot keep per-shard masks without folding the seed: "
-            "it raises, naming the `Rng` and `rngs=` (issue 34 item 1); without a data "
+            "it raises, naming the `Rng` and `rngs=`; without a data "
             "axis there is nothing to fold and the cell equals the one-device run"
         ),
     ),
@@ -200,7 +200,7 @@ FEATURES = (
         semantics=(
             "the one-device bf16 model's loss and gradients to bf16 tolerance; each "
             "gradient comes back in its param's dtype (bf16 ones reduced in float32 inside: "
-            "`reduce_dtype`, issue 34 item 7), the state float32"
+            "`reduce_dtype`), the state float32"
         ),
     ),
     Feature(
@@ -376,7 +376,7 @@ ERRORS: dict[tuple[str, str], tuple] = {
     **{("int_state", p.name): _INT_STATE for p in PATHS if p.folds},
 }
 
-# Cells that fail on today's tree: a defect whose fix has not landed (issue 34 items).
+# Cells that fail on today's tree: a defect whose fix has not landed.
 # They are not run (not skipped: absent) until the fix lands; the doc lists them.
 PENDING: dict[tuple[str, str], str] = {
     **{("dropout", "ep"): "ep: no rngs", ("rng_counters", "ep"): "ep: no rngs"},
