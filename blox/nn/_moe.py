@@ -191,7 +191,7 @@ class MoE(Module):
     combine run in the compute dtype, the gate weights cast to it. ``y`` has the
     compute dtype.
 
-    Parameters:
+    Parameters created (under the layer's path):
       ``<path>/router/kernel`` ``(D, E)``; ``<path>/router/bias`` ``(E,)`` zeros,
       non-trainable (with ``routing_bias``);
       ``<path>/experts/gate`` ``(E, D, F)`` (gated only), ``<path>/experts/up``
