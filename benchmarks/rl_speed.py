@@ -694,7 +694,8 @@ def render(env, command, started, counts, quick, cfg, entries, pairs, checks, no
         lines += [
             "### Sebulba",
             "",
-            "The example's `sebulba(cfg, seed, actor_devices, learner_devices, lag)`: the "
+            "The example's `sebulba(cfg, sebulba_start(...), actor_devices, learner_devices, "
+            "lag)`: the "
             "actor (a `jax.jit` rollout) on simulated device 0, the learner (`shard_map` of "
             "the same `learn`) on a mesh of devices 1-4; each update moves the rollout to "
             "the learner mesh and pushes the weights back with `bp.place`, driven from "
