@@ -105,3 +105,24 @@ def test_one_step_from_rest_matches_the_closed_form(action):
     np.testing.assert_allclose(
         cp.observe(nxt), [0.0, 0.02 * x_acc, 0.0, 0.02 * theta_acc], rtol=1e-6
     )
+
+
+def test_random_policy_returns_match_gymnasium_random_policy():
+    # The example's random-policy check against gymnasium's CartPole-v1 under the same
+    # kind of policy: mean episode returns agree within sampling error.
+    returns = np.asarray(cp.random_policy_returns(64, 300, seed=0))
+    ours = returns[~np.isnan(returns)]
+    env = gym.make("CartPole-v1")
+    rng = np.random.default_rng(0)
+    theirs = []
+    env.reset(seed=0)
+    while len(theirs) < 400:
+        _, total, done = env.reset(seed=int(rng.integers(1 << 31))), 0.0, False
+        while not done:
+            _, r, term, trunc, _ = env.step(int(rng.integers(2)))
+            total, done = total + r, term or trunc
+        theirs.append(total)
+    theirs = np.asarray(theirs)
+    assert len(ours) > 400 and ours.min() >= 8 and ours.max() <= 500
+    se = np.sqrt(ours.var() / len(ours) + theirs.var() / len(theirs))
+    assert abs(ours.mean() - theirs.mean()) < 4 * se, (ours.mean(), theirs.mean(), se)
