@@ -170,7 +170,7 @@ def dot_out_sharding(
     return NamedSharding(mesh, PartitionSpec(*batch, _free_col(mesh, k_spec[1], used)))
 
 
-def _explicit_mesh(*arrays: jax.Array) -> Any:
+def explicit_mesh(*arrays: jax.Array) -> Any:
     """The (abstract) mesh of the first array whose type carries one, if that mesh has
     Explicit axes; None off a mesh and on Auto meshes."""
     for a in arrays:
@@ -220,7 +220,7 @@ def conv_out_sharding(
     r_spec = _padded_spec(jax.typeof(rhs).sharding.spec, rhs.ndim)
     if all(e is None for e in r_spec) and l_spec[lhs_dims[1]] is None:
         return None
-    mesh = _explicit_mesh(lhs, rhs)
+    mesh = explicit_mesh(lhs, rhs)
     if mesh is None:
         return None
     out: list[Any] = [None] * len(out_shape)
@@ -311,7 +311,7 @@ def take_out_sharding(table: jax.Array, indices: jax.Array) -> NamedSharding | N
     t_spec = _padded_spec(jax.typeof(table).sharding.spec, 2)
     if all(e is None for e in t_spec):
         return None
-    mesh = _explicit_mesh(table, indices)
+    mesh = explicit_mesh(table, indices)
     if mesh is None:
         return None
     i_spec = _padded_spec(jax.typeof(indices).sharding.spec, indices.ndim)
@@ -325,7 +325,7 @@ def reshard_like(x: Any, like: Any) -> Any:
     ``lax.scan`` must keep its type); `x` itself otherwise."""
 
     def one(a: jax.Array, b: jax.Array) -> jax.Array:
-        if _explicit_mesh(b) is None:
+        if explicit_mesh(b) is None:
             return a
         want = jax.typeof(b).sharding
         have = jax.typeof(a).sharding
@@ -340,7 +340,7 @@ def zeros_on_batch(shape: tuple[int, ...], dtype: Any, like: jax.Array) -> jax.A
     """Zeros of `shape` whose leading (batch) dimension takes the spec of `like`'s
     leading dimension on an Explicit mesh (a recurrent layer's initial state next to its
     batch-sharded input), the other dimensions replicated; plain zeros elsewhere."""
-    mesh = _explicit_mesh(like)
+    mesh = explicit_mesh(like)
     spec = _padded_spec(jax.typeof(like).sharding.spec, like.ndim) if like.ndim else ()
     if mesh is None or not spec or spec[0] is None:
         return jnp.zeros(shape, dtype)
@@ -354,7 +354,7 @@ def split_out_sharding(x: jax.Array, dim: int, sizes: tuple[int, int]) -> NamedS
     the outer size is not divisible by the axes); None elsewhere. The axes go to the
     outer dimension when they divide it, else to the inner one, else nowhere
     (replicated); the compiler moves the data."""
-    mesh = _explicit_mesh(x)
+    mesh = explicit_mesh(x)
     if mesh is None:
         return None
     spec = _padded_spec(jax.typeof(x).sharding.spec, x.ndim)
@@ -371,7 +371,7 @@ def split_out_sharding(x: jax.Array, dim: int, sizes: tuple[int, int]) -> NamedS
 def explicit_sharding(x: jax.Array) -> NamedSharding | None:
     """`x`'s sharding type on an Explicit mesh (to restore it after a reshape), or None
     off a mesh and on Auto meshes."""
-    if _explicit_mesh(x) is None:
+    if explicit_mesh(x) is None:
         return None
     sh = jax.typeof(x).sharding
     return None if all(e is None for e in sh.spec) else sh

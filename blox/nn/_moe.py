@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from blox.core import Graph, Module, Params, Rng
-from blox.core._sharding import _explicit_mesh, explicit_sharding
+from blox.core._sharding import explicit_mesh, explicit_sharding
 from blox.nn._dtype import compute_dtype
 
 __all__ = ["MoE"]
@@ -33,7 +33,7 @@ _zeros = jax.nn.initializers.zeros
 def _explicit_out(a: jax.Array) -> NamedSharding | None:
     """A replicated ``out_sharding`` on an Explicit mesh (JAX infers none for
     ``ragged_dot``; the layer gathers its operands there), else None."""
-    mesh = _explicit_mesh(a)
+    mesh = explicit_mesh(a)
     return None if mesh is None else NamedSharding(mesh, PartitionSpec())
 
 

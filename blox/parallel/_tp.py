@@ -500,11 +500,11 @@ class ParallelMultiHeadAttention(Module):
 
     def _replicated_kv(self, layer: ColumnParallelLinear, params: Params, ctx: jax.Array):
         """The full key/value projection with replicated parameters (K divides M)."""
-        kernel = layer._param(params, "kernel", (ctx.shape[-1], layer.output_size), None, 1)[0]
+        kernel = layer.get_param(params, "kernel", (ctx.shape[-1], layer.output_size))[0]
         cd = compute_dtype(ctx, kernel.dtype, layer.dtype)
         y = jnp.dot(ctx.astype(cd), kernel.astype(cd))
         if layer.use_bias:
-            bias = layer._param(params, "bias", (layer.output_size,), None, 1)[0]
+            bias = layer.get_param(params, "bias", (layer.output_size,))[0]
             y = y + jnp.expand_dims(bias.astype(cd), tuple(range(y.ndim - 1)))
         return y, params
 
