@@ -378,33 +378,9 @@ ERRORS: dict[tuple[str, str], tuple] = {
 
 # Cells that fail on today's tree: a defect whose fix has not landed.
 # They are not run (not skipped: absent) until the fix lands; the doc lists them.
-PENDING: dict[tuple[str, str], str] = {
-    **{("dropout", "ep"): "ep: no rngs", ("rng_counters", "ep"): "ep: no rngs"},
-    ("unlisted_rng", "ep"): "ep: no rngs",
-    ("batchnorm", "ep"): "ep: state",
-    ("int_state", "ep"): "ep: state",
-    ("weighted_loss", "ep"): "ep: no weight, no microbatches",
-    ("accumulation", "ep"): "ep: no weight, no microbatches",
-}
+PENDING: dict[tuple[str, str], str] = {}
 # What each pending label stands for (the observed and the expected numbers).
-DEFECTS = {
-    "ep: no rngs": (
-        "found by this matrix: `ep_value_and_grad` takes no `rngs=` and folds no seed, so "
-        "every shard of the expert axis draws the same masks (dropout: loss 5.2298 "
-        "against 6.0214 with folded seeds; shared counters: 7.1546 against 5.6113), and "
-        "an `Rng` that draws is not refused"
-    ),
-    "ep: state": (
-        "found by this matrix: `ep_value_and_grad` returns the non-trainable state as each "
-        "shard computed it; per-shard BatchNorm statistics then fail JAX's out_specs "
-        "replication check (not averaged as under DP), and integer state that differs "
-        "per shard is not reported naming the leaf"
-    ),
-    "ep: no weight, no microbatches": (
-        "found by this matrix: `ep_value_and_grad` has no `aux['weight']` (the loss is "
-        "the mean of the shard means) and no microbatches"
-    ),
-}
+DEFECTS: dict[str, str] = {}
 
 CELLS = [
     Cell(f, p, ERRORS.get((f.name, p.name)))
@@ -729,7 +705,7 @@ def _run(feature: Feature, path: PathSpec):
 
 def _run_step(path, m, flat, x, t, k, tx, rngs):
     if "expert" in dict(path.mesh):
-        return _run_ep(path, m, flat, x, t)
+        return _run_ep(path, m, flat, x, t, k, rngs)
     if not path.mesh:
         step = jax.jit(bx.make_train_step(m.loss_fn, tx, has_aux=True, accumulation_steps=k))
         params = jax.device_put(flat)
@@ -753,10 +729,12 @@ def _run_step(path, m, flat, x, t, k, tx, rngs):
     return metrics["loss"], None, new
 
 
-def _run_ep(path, m, flat, x, t):
+def _run_ep(path, m, flat, x, t, k, rngs):
     """`ep_value_and_grad` (no train step exists for it) in its shard_map, then SGD."""
     mesh = _mesh(path)
-    f = bp.ep_value_and_grad(m.loss_fn, expert_axis="expert", data_axes=None, has_aux=True)
+    f = bp.ep_value_and_grad(
+        m.loss_fn, expert_axis="expert", data_axes=None, has_aux=True, microbatches=k, rngs=rngs
+    )
     rep, split = P(), P("expert")
     sm = jax.shard_map(f, mesh=mesh, in_specs=(rep, split, split), out_specs=((rep, rep), rep, rep))
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
@@ -921,9 +899,10 @@ _DIFFER = """\
 ## Where paths differ on purpose
 
 * **Dropout and every other draw on a data axis** (DP, FSDP, TP, DP x PP, FSDP x PP,
-  DP x TP x PP): the step folds the data-shard index into the seed of every `Rng` in
-  `rngs=`, so the shards draw different masks; one device (and a pipeline without a
-  data axis) draws from the stored seed. The reference runs each shard on one device
+  DP x TP x PP, and EP, whose batch is split over the expert axis): the step folds the
+  data-shard index into the seed of every `Rng` in `rngs=`, so the shards draw
+  different masks; one device (and a pipeline without a data axis) draws from the
+  stored seed. The reference runs each shard on one device
   with `fold_in(seed, d)`. The model axis is never folded: tensor-parallel shards hold
   parts of the same rows and drop the same activations. A data axis of size 1 (the TP
   column) still folds index 0, so it differs from one device too.

@@ -26,8 +26,9 @@ token's contribution).
 from __future__ import annotations
 
 import functools
+import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -36,10 +37,20 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from blox.core import Graph, Params, Rng
-from blox.core._params import format_path
+from blox.core._guards import check_reduce_dtype
+from blox.core._params import Path, format_path
 from blox.nn._moe import MoE, grouped_matmul
 from blox.parallel._collectives import check_axis
+from blox.parallel._dp import (
+    _aux_finish,
+    _check_rngs,
+    _like,
+    _settle_state,
+    _to_varying,
+    accumulate_microbatches,
+)
 from blox.parallel._mesh import bound_axes, check_vma_enabled, varying_axes
+from blox.parallel._rng import fold_seeds, restore_seeds
 
 __all__ = ["ExpertParallelMoE", "ep_value_and_grad", "moe_ep_rules", "ragged_dispatch_plan"]
 
@@ -410,31 +421,62 @@ def _as_axes(axes: Any, what: str) -> tuple[str, ...]:
     return names
 
 
+def _psum(tree: Any, axes: tuple[str, ...]) -> Any:
+    """`tree` summed over `axes` (none: unchanged)."""
+    if not axes:
+        return tree
+    return jax.lax.psum(tree, axes if len(axes) > 1 else axes[0])
+
+
 def ep_value_and_grad(
     loss_fn: Callable[..., Any],
     *,
     expert_axis: str = "expert",
     data_axes: str | tuple[str, ...] | None = "data",
     expert_pattern: str = r"(^|/)experts/(gate|up|down)$",
+    microbatches: int = 1,
     has_aux: bool = False,
+    predicate: Callable[[Path, Any], bool] | None = None,
+    rngs: Sequence[Rng] = (),
+    reduce_dtype: Any = None,
 ) -> Callable[..., Any]:
     """Gradients under expert parallelism, to call **inside** ``jax.shard_map`` with the
-    batch split over ``data_axes + (expert_axis,)``.
+    batch split over ``data_axes + (expert_axis,)``: `blox.parallel.dp_value_and_grad`
+    over those axes, but for the expert kernels.
 
     ``loss_fn(params, *batch)`` returns ``(loss, params)`` (or ``((loss, aux), params)``
     with `has_aux`), the loss a mean over this device's examples (plus, e.g., an
     `MoE`'s ``aux['aux_loss']``, which is the same on every device with ``token_axes``).
     The result::
 
-        loss, grads, params = f(params, *batch)
+        loss, grads, params = f(params, *batch)            # has_aux=False
+        (loss, aux), grads, params = f(params, *batch)     # has_aux=True
 
-    gives the loss averaged over all devices and its gradient for the trainable params:
-    computed locally, then reduced explicitly, a ``psum`` over ``data_axes +
-    (expert_axis,)`` for every parameter that is not an expert kernel and over
-    ``data_axes`` only for the expert kernels (each device holds other experts; the
-    all-to-all's transpose has already brought them every token's contribution), both
-    divided by the number of devices. Non-expert params must be replicated over every
-    one of those axes, expert kernels split over `expert_axis` (`moe_ep_rules`).
+    gives the loss over the whole global batch and its gradient for the trainable params
+    (``params.split(predicate)[0]``), computed locally over `microbatches` splits of this
+    device's batch, then reduced explicitly: a ``psum`` over ``data_axes +
+    (expert_axis,)`` for every parameter that is not an expert kernel (with the loss, the
+    aux and the weight, in one all-reduce), and over ``data_axes`` only for the expert
+    kernels (each device holds other experts; the all-to-all's transpose has already
+    brought them every token's contribution). Non-expert params must be replicated over
+    every one of those axes, expert kernels split over `expert_axis` (`moe_ep_rules`).
+
+    As `dp_value_and_grad`, over all the batch axes together:
+
+    * weighting: the mean over microbatches and devices, or with ``aux['weight']`` the
+      weighted mean (a part of weight 0 adds 0 to the loss, the aux and the non-expert
+      gradients, even when its loss is NaN). The expert kernels' gradients arrive
+      through the all-to-all's transpose, before the weight is known, so a NaN from an
+      unguarded masked mean (``0 / 0``) would reach them: divide by
+      ``jnp.maximum(count, 1)``;
+    * `rngs`: their seeds are folded with the indices along the batch axes (in the order
+      ``data_axes + (expert_axis,)``) and restored after; an `Rng` that draws keys but
+      is not listed raises, naming it;
+    * non-trainable state written in the loss (BatchNorm statistics, a routing bias set
+      from the loads): floating state that differs between the devices is averaged over
+      the batch axes (over ``data_axes`` for expert-kernel leaves, which are split over
+      `expert_axis`); integer state that differs raises, naming the leaf;
+    * a parameter first created in `loss_fn` raises, naming it; `reduce_dtype` as there.
 
     Args:
       loss_fn: as above.
@@ -442,55 +484,76 @@ def ep_value_and_grad(
       data_axes: the data axes the batch is also split over (None: EP alone).
       expert_pattern: a regular expression searched in each parameter's path
         (``'net/block/moe/experts/up'``) that marks the expert kernels.
-      has_aux: `loss_fn` returns ``(loss, aux)``; aux is returned as computed on this
-        device.
+      microbatches: ``k``; splits of this device's batch run one after the other in a
+        ``jax.lax.scan``, the non-trainable state threaded through them.
+      has_aux: `loss_fn` returns ``(loss, aux)``; aux is reduced as the loss (floating
+        leaves averaged, weighted by ``aux['weight']`` when present; integer ones summed).
+      predicate: ``(path, Param) -> bool`` choosing the differentiated params (default:
+        the trainable flag).
+      rngs: the `Rng` modules that draw keys in `loss_fn`.
+      reduce_dtype: the dtype the gradients, the loss and the floating aux are summed in
+        (default: float32 for bf16/fp16 values); gradients return in their params' dtypes.
 
     Returns:
-      ``f(params, *batch) -> (loss, grads, params)`` (``((loss, aux), grads, params)``
-      with `has_aux`); grads hold the trainable params' paths.
+      ``f(params, *batch)`` as above; grads hold the trainable params' paths.
+
+    Raises:
+      ValueError: an axis not bound, ``check_vma=False``, a batch not divisible by
+        `microbatches`, an unlisted `Rng` that draws, a new parameter, integer state that
+        differs between devices.
     """
+    where = "ep_value_and_grad"
     data = _as_axes(data_axes, "data_axes")
     (expert,) = _as_axes(expert_axis, "expert_axis")
     pattern = re.compile(expert_pattern)
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"{where}: microbatches must be an int >= 1, got {microbatches!r}.")
+    rngs = _check_rngs(rngs, where)
+    reduce_dtype = check_reduce_dtype(reduce_dtype, where)
+
+    def is_expert(path: Path, _: Any = None) -> bool:
+        return pattern.search(format_path(path)) is not None
 
     def f(params: Params, *batch: Any):
-        all_axes = check_axis(data + (expert,), "ep_value_and_grad")
+        names = check_axis(data + (expert,), where)
         if not check_vma_enabled():
-            raise ValueError(
-                "ep_value_and_grad needs jax.shard_map(..., check_vma=True) (the default)."
+            raise ValueError(f"{where} needs jax.shard_map(..., check_vma=True) (the default).")
+        if not isinstance(params, Params):
+            raise TypeError(
+                f"{where}: the first argument must be bx.Params, got {type(params).__name__}."
             )
-        trainable, rest = params.split()
-
-        def varying(x):
-            have = varying_axes(x)
-            missing = tuple(a for a in all_axes if a not in have)
-            return jax.lax.pcast(x, missing, to="varying") if missing else x
-
+        size = math.prod(jax.lax.axis_size(a) for a in names)
+        params, seeds = fold_seeds(params, rngs, names)
+        trainable, rest = params.split(predicate)
+        experts = frozenset(key for key in trainable.keys() if is_expert(key))
         # Local gradients: every leaf varies over every axis, so autodiff inserts no
         # reduction; the reductions below are the only ones.
-        local = jax.tree.map(varying, trainable)
-
-        def objective(t):
-            out, new = loss_fn(t.merge(rest), *batch)
-            loss, aux = out if has_aux else (out, None)
-            return loss, (aux, new)
-
-        (loss, (aux, new)), grads = jax.value_and_grad(objective, has_aux=True)(local)
-        size = 1
-        for a in all_axes:
-            size *= jax.lax.axis_size(a)
-
-        def reduce(kp, g):
-            is_expert = pattern.search(kp[0].key) is not None  # the key: 'a/b/c'
-            axes = data if is_expert else all_axes
-            if axes:
-                g = jax.lax.psum(g, axes if len(axes) > 1 else axes[0])
-            return g / jnp.asarray(size, g.dtype)
-
-        grads = jax.tree_util.tree_map_with_path(reduce, grads)
-        loss = jax.lax.pmean(loss, all_axes if len(all_axes) > 1 else all_axes[0])
-        _, new_rest = new.split()
-        params = trainable.merge(new_rest)
-        return ((loss, aux) if has_aux else loss), grads, params
+        sums, rest = accumulate_microbatches(
+            loss_fn,
+            _to_varying(trainable, names),
+            rest,
+            batch,
+            k=microbatches,
+            size=size,
+            names=names,
+            has_aux=has_aux,
+            predicate=predicate,
+            where=where,
+            reduced_inside=experts,  # a weight-0 part keeps the other devices' share
+            rngs=rngs,
+            reduce_dtype=reduce_dtype,
+        )
+        grads, (loss, aux), w = sums
+        mine, shared = grads.split(is_expert)
+        shared, loss, aux, w = _psum((shared, loss, aux, w), names)
+        grads = _psum(mine, data).merge(shared)
+        if w is not None:
+            one = jnp.where(w > 0, w, jnp.ones((), w.dtype))
+            loss, grads = jax.tree.map(lambda v: v / one.astype(v.dtype), (loss, grads))
+            aux = _aux_finish(aux, one, w)
+        experts_rest, rest = restore_seeds(rest, seeds).split(is_expert)
+        rest = _settle_state(rest, names, where).merge(_settle_state(experts_rest, data, where))
+        out = trainable.merge(rest)
+        return ((loss, aux) if has_aux else loss), _like(grads, trainable), out
 
     return f
