@@ -278,7 +278,7 @@ def split_cells(stage_fn, stage, rows, number, repeat):
     leaves = jax.jit(lambda tr, h: jax.tree.leaves(pl._stage_vjp(fns, tr, st, h)[1]))(tr, h)
     res = [x for x, k in zip(leaves, layout.stashed, strict=True) if k]
     pres = [x for x, k in zip(leaves, layout.stashed, strict=True) if not k]
-    sb = pl._split_backward(layout, res, pres, h)
+    sb = pl._split_backward(layout, res, pres, h, row_major=True)
 
     def fwd(tr, h):
         out, vjp_fn, _ = pl._stage_vjp(fns, tr, st, h)
