@@ -221,6 +221,104 @@ def _as_saved(value: Any, entry: Mapping[str, Any]) -> Any:
     return value
 
 
+def _check_options(save_every: Any, max_to_keep: Any, best_metric: Any, best_mode: Any) -> None:
+    """Checks `CheckpointManager`'s options, naming the bad one and what it accepts."""
+    if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1:
+        raise ValueError(f"CheckpointManager: save_every must be an int >= 1, got {save_every!r}.")
+    if max_to_keep is not None and (
+        isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+    ):
+        raise ValueError(
+            f"CheckpointManager: max_to_keep must be None (keep all) or an int >= 1, got "
+            f"{max_to_keep!r}."
+        )
+    if best_mode not in ("min", "max"):
+        raise ValueError(f"CheckpointManager: best_mode must be 'min' or 'max', got {best_mode!r}.")
+    if best_metric is not None and not (isinstance(best_metric, str) or callable(best_metric)):
+        raise TypeError(
+            "CheckpointManager: best_metric must be a metric name (e.g. 'eval/loss') or a "
+            f"function metrics -> float, got {type(best_metric).__name__}."
+        )
+
+
+def _preservation_policy(
+    best_fn: Callable[[Any], float] | None, best_mode: str, max_to_keep: int | None
+) -> Any:
+    """Which steps Orbax keeps: the `max_to_keep` newest, or with a metric the
+    `max_to_keep` best plus always the latest (which a resume needs)."""
+    if best_fn is None:
+        return ocm.LatestN(n=max_to_keep)
+    return ocm.AnyPreservationPolicy(
+        [
+            ocm.BestN(
+                get_metric_fn=best_fn,
+                reverse=best_mode == "min",
+                n=max_to_keep,
+                keep_checkpoints_without_metrics=False,
+            ),
+            ocm.LatestN(n=1),
+        ]
+    )
+
+
+def _item_handlers() -> dict[str, Any]:
+    """Orbax's handler for each item of a step: the state, the blox description and
+    (when Grain is installed) the data-iterator position."""
+    handlers: dict[str, Any] = {
+        STATE: ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
+        DESCRIPTION: BloxItemHandler(),
+    }
+    grain_handler = _grain_handler()
+    if grain_handler is not None:
+        handlers[DATA] = grain_handler
+    return handlers
+
+
+def _check_restore_args(mesh: Mesh | None, data_iterator: Any, data_from_step: Any) -> None:
+    """Checks `restore`'s arguments that need no checkpoint: the mesh, and that
+    `data_from_step` comes with an iterator and is ``True`` or a function."""
+    check_mesh(mesh, "CheckpointManager.restore")
+    if data_from_step is False:
+        return
+    if data_iterator is None:
+        raise ValueError(
+            "CheckpointManager.restore: data_from_step positions data_iterator; pass "
+            "data_iterator=... too."
+        )
+    if not (data_from_step is True or callable(data_from_step)):
+        raise TypeError(
+            "CheckpointManager.restore: data_from_step must be True (batch = step) or "
+            f"a function step -> batches drawn, got {data_from_step!r}."
+        )
+
+
+def _read_plan(
+    abstract: Any, saved: Mapping[str, Any], wanted: Mapping[str, Any], saved_tree: Any
+) -> tuple[Any, dict[str, Any]]:
+    """Orbax's restore arguments for the state item, and the leaves to cast after the read.
+
+    Each leaf of `abstract` is read laid out as it says; a leaf restored into another
+    dtype is read in its saved dtype (so that its checksum can be checked), then cast.
+    Checkpoint leaves the target lacks (`partial`) are not read (``PLACEHOLDER``)."""
+    by_name = _named_leaves(abstract)
+    cast = {
+        name: leaf
+        for name, leaf in by_name.items()
+        if "checksum" in saved["leaves"][name]
+        and saved["leaves"][name]["dtype"] != wanted["leaves"][name]["dtype"]
+    }
+    read = {**by_name, **{n: _raw_leaf(a, saved["leaves"][n]) for n, a in cast.items()}}
+    restore_item = jax.tree_util.tree_map_with_path(
+        lambda kp, _: read.get(
+            jax.tree_util.keystr(kp, simple=True, separator="/") or "<root>",
+            ocp.PLACEHOLDER,
+        ),
+        saved_tree,
+    )
+    restore_args = jax.tree.map(_restore_args, restore_item)
+    return ocp.args.PyTreeRestore(restore_item, restore_args=restore_args), cast
+
+
 class CheckpointManager:
     """Saves and restores a whole train state with Orbax: asynchronous, atomic, exact.
 
@@ -268,26 +366,7 @@ class CheckpointManager:
         async_save: bool = True,
         save_on_exit: bool = True,
     ):
-        if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1:
-            raise ValueError(
-                f"CheckpointManager: save_every must be an int >= 1, got {save_every!r}."
-            )
-        if max_to_keep is not None and (
-            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-        ):
-            raise ValueError(
-                f"CheckpointManager: max_to_keep must be None (keep all) or an int >= 1, got "
-                f"{max_to_keep!r}."
-            )
-        if best_mode not in ("min", "max"):
-            raise ValueError(
-                f"CheckpointManager: best_mode must be 'min' or 'max', got {best_mode!r}."
-            )
-        if best_metric is not None and not (isinstance(best_metric, str) or callable(best_metric)):
-            raise TypeError(
-                "CheckpointManager: best_metric must be a metric name (e.g. 'eval/loss') or a "
-                f"function metrics -> float, got {type(best_metric).__name__}."
-            )
+        _check_options(save_every, max_to_keep, best_metric, best_mode)
         self.save_every = save_every
         self.max_to_keep = max_to_keep
         self.best_metric = best_metric
@@ -297,25 +376,11 @@ class CheckpointManager:
         best_fn = None
         if best_metric is not None:
             best_fn = self._metric_fn(best_metric)
-        if best_fn is not None:
-            keep: Any = ocm.AnyPreservationPolicy(
-                [
-                    ocm.BestN(
-                        get_metric_fn=best_fn,
-                        reverse=best_mode == "min",
-                        n=max_to_keep,
-                        keep_checkpoints_without_metrics=False,
-                    ),
-                    ocm.LatestN(n=1),
-                ]
-            )
-        else:
-            keep = ocm.LatestN(n=max_to_keep)
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=ocm.AnySavePolicy(
                 [ocm.FixedIntervalPolicy(save_every), ocm.PreemptionCheckpointingPolicy()]
             ),
-            preservation_policy=keep,
+            preservation_policy=_preservation_policy(best_fn, best_mode, max_to_keep),
             best_fn=best_fn,
             best_mode=best_mode,
             enable_async_checkpointing=async_save,
@@ -324,13 +389,7 @@ class CheckpointManager:
         )
         # The item handlers are created here, with the manager, so that the first save
         # does not build them (and Orbax's thread pools) inside the training loop.
-        handlers: dict[str, Any] = {
-            STATE: ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers()),
-            DESCRIPTION: BloxItemHandler(),
-        }
-        grain_handler = _grain_handler()
-        if grain_handler is not None:
-            handlers[DATA] = grain_handler
+        handlers = _item_handlers()
         self._mngr = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
         self._pending: tuple[int, Any, IteratorSnapshot | None] | None = None
         self._closed = False
@@ -702,18 +761,7 @@ class CheckpointManager:
             blox step without checksums (see `allow_unverified`), naming the directory,
             step and leaves.
         """
-        check_mesh(mesh, "CheckpointManager.restore")
-        if data_from_step is not False:
-            if data_iterator is None:
-                raise ValueError(
-                    "CheckpointManager.restore: data_from_step positions data_iterator; pass "
-                    "data_iterator=... too."
-                )
-            if not (data_from_step is True or callable(data_from_step)):
-                raise TypeError(
-                    "CheckpointManager.restore: data_from_step must be True (batch = step) or "
-                    f"a function step -> batches drawn, got {data_from_step!r}."
-                )
+        _check_restore_args(mesh, data_iterator, data_from_step)
         if self._writing is not None:
             self.wait()  # a step of this manager may still be in flight
         if step is not None:
@@ -721,19 +769,57 @@ class CheckpointManager:
         step = self._resolve_step(step, "restore")
         where = f"{str(self.directory)!r} step {step}"
         step_dir = self.directory / str(step)
-        has_sums = False
-        if (step_dir / DESCRIPTION).exists():
-            item = STATE
-            saved, has_sums = self._read_description(step)
-        elif (step_dir / STATE).exists():
-            item, saved = STATE, None
-        elif (step_dir / "default").exists():
-            item, saved = "default", None
-        else:
-            have = sorted(p.name for p in step_dir.iterdir()) if step_dir.exists() else []
-            raise self._damaged(step, f"it holds no state item (it has {have})")
+        item, saved, has_sums = self._find_state_item(step, step_dir)
         blox_described = saved is not None
         saved_tree = self._saved_tree(step, step_dir / item)
+        saved, wanted = self._compare_with_target(
+            saved, saved_tree, target, where, allow_dtype_cast=allow_dtype_cast, partial=partial
+        )
+        if blox_described:
+            self._check_verifiable(step, saved, has_sums, allow_unverified)
+        read_data = data_iterator is not None and data_from_step is False
+        if read_data:
+            self._check_data(step, step_dir, item, data_iterator)
+        abstract, defaulted = _build(target, mesh, rules)
+        self._check_replicated(saved, defaulted, mesh, where)
+        state_args, cast = _read_plan(abstract, saved, wanted, saved_tree)
+        restored_tree = self._read_state(
+            step, item, state_args, data_iterator if read_data else None, target
+        )
+        restored = self._verified_values(step, saved, restored_tree, target, cast)
+        if data_from_step is not False:
+            batches = step if data_from_step is True else data_from_step(step)
+            position_iterator(data_iterator, batches, step, "CheckpointManager.restore")
+        self._known.add(step)
+        return restored
+
+    def _find_state_item(self, step: int, step_dir: Any) -> tuple[str, dict | None, bool]:
+        """Which item of the step holds the state (``state``, or ``default`` for a step
+        Orbax wrote alone), its blox description (``None`` if Orbax wrote it directly), and
+        whether the step has its checksum file."""
+        if (step_dir / DESCRIPTION).exists():
+            saved, has_sums = self._read_description(step)
+            return STATE, saved, has_sums
+        if (step_dir / STATE).exists():
+            return STATE, None, False
+        if (step_dir / "default").exists():
+            return "default", None, False
+        have = sorted(p.name for p in step_dir.iterdir()) if step_dir.exists() else []
+        raise self._damaged(step, f"it holds no state item (it has {have})")
+
+    def _compare_with_target(
+        self,
+        saved: dict | None,
+        saved_tree: Any,
+        target: Any,
+        where: str,
+        *,
+        allow_dtype_cast: bool,
+        partial: bool,
+    ) -> tuple[dict, dict]:
+        """The saved description (built from Orbax's metadata when there is no blox one;
+        only the target's leaves when `partial`) and the target's, after checking that
+        they match: names, shapes, dtypes, flags and (unless `partial`) the structure."""
         if saved is None:
             saved = describe_saved_tree(saved_tree)
         wanted = describe(target)
@@ -745,66 +831,53 @@ class CheckpointManager:
             raise error
         if not partial:
             self._check_structure(saved_tree, target, where)
-        if blox_described:
-            self._check_verifiable(step, saved, has_sums, allow_unverified)
-        read_data = data_iterator is not None and data_from_step is False
-        if read_data:
-            self._check_data(step, step_dir, item, data_iterator)
-        abstract, defaulted = _build(target, mesh, rules)
-        self._check_replicated(saved, defaulted, mesh, where)
-        by_name = _named_leaves(abstract)
-        # Leaves restored into another dtype are read in their saved dtype, checked
-        # against their checksum, then cast.
-        cast = {
-            name: leaf
-            for name, leaf in by_name.items()
-            if "checksum" in saved["leaves"][name]
-            and saved["leaves"][name]["dtype"] != wanted["leaves"][name]["dtype"]
-        }
-        read = {**by_name, **{n: _raw_leaf(a, saved["leaves"][n]) for n, a in cast.items()}}
-        restore_item = jax.tree_util.tree_map_with_path(
-            lambda kp, _: read.get(
-                jax.tree_util.keystr(kp, simple=True, separator="/") or "<root>",
-                ocp.PLACEHOLDER,
-            ),
-            saved_tree,
-        )
-        restore_args = jax.tree.map(_restore_args, restore_item)
-        state_args = ocp.args.PyTreeRestore(restore_item, restore_args=restore_args)
+        return saved, wanted
+
+    def _read_state(
+        self, step: int, item: str, state_args: Any, data_iterator: Any, target: Any
+    ) -> Any:
+        """Reads the state item (and, given `data_iterator`, sets its saved position);
+        a failed read raises `CheckpointError` naming the leaves concerned."""
+        step_dir = self.directory / str(step)
         try:
             if item == "default":
-                if read_data:
+                if data_iterator is not None:
                     raise ValueError(
-                        f"CheckpointManager.restore: {where} was written by Orbax without a "
-                        "data-iterator item. Restore without data_iterator, or pass "
-                        "data_from_step=True."
+                        f"CheckpointManager.restore: {str(self.directory)!r} step {step} was "
+                        "written by Orbax without a data-iterator item. Restore without "
+                        "data_iterator, or pass data_from_step=True."
                     )
                 with ocp.PyTreeCheckpointer() as checkpointer:
-                    restored_tree = checkpointer.restore(step_dir / item, args=state_args)
-            else:
-                items: dict[str, Any] = {STATE: state_args}
-                if read_data:
-                    _, restore_cls = _grain_args()
-                    items[DATA] = restore_cls(IteratorRestorer(data_iterator))
-                restored_tree = self._mngr.restore(step, args=ocp.args.Composite(**items))[STATE]
+                    return checkpointer.restore(step_dir / item, args=state_args)
+            items: dict[str, Any] = {STATE: state_args}
+            if data_iterator is not None:
+                _, restore_cls = _grain_args()
+                items[DATA] = restore_cls(IteratorRestorer(data_iterator))
+            return self._mngr.restore(step, args=ocp.args.Composite(**items))[STATE]
         except (ValueError, TypeError) as e:
             if "CheckpointManager.restore" in str(e) or isinstance(e, CheckpointError):
                 raise
             raise self._read_failed(step, e, target) from e
         except Exception as e:
             raise self._read_failed(step, e, target) from e
+
+    def _verified_values(
+        self,
+        step: int,
+        saved: Mapping[str, Any],
+        restored_tree: Any,
+        target: Any,
+        cast: Mapping[str, Any],
+    ) -> Any:
+        """The values read, checked against their checksums, cast where `cast` says, in
+        the structure of `target`."""
         values = _named_leaves(restored_tree)
         flat, treedef = jax.tree_util.tree_flatten_with_path(target)
         names = [jax.tree_util.keystr(kp, simple=True, separator="/") or "<root>" for kp, _ in flat]
         self._verify(step, saved, {n: values[n] for n in names})
         if cast:
             values.update(_cast(values, cast))
-        restored = jax.tree_util.tree_unflatten(treedef, [values[n] for n in names])
-        if data_from_step is not False:
-            batches = step if data_from_step is True else data_from_step(step)
-            position_iterator(data_iterator, batches, step, "CheckpointManager.restore")
-        self._known.add(step)
-        return restored
+        return jax.tree_util.tree_unflatten(treedef, [values[n] for n in names])
 
     def _check_verifiable(
         self, step: int, saved: Mapping[str, Any], has_sums: bool, allow_unverified: bool
