@@ -434,6 +434,7 @@ def ep_value_and_grad(
     expert_axis: str = "expert",
     data_axes: str | tuple[str, ...] | None = "data",
     expert_pattern: str = r"(^|/)experts/(gate|up|down)$",
+    specs: Params | None = None,
     microbatches: int = 1,
     has_aux: bool = False,
     predicate: Callable[[Path, Any], bool] | None = None,
@@ -458,8 +459,20 @@ def ep_value_and_grad(
     (expert_axis,)`` for every parameter that is not an expert kernel (with the loss, the
     aux and the weight, in one all-reduce), and over ``data_axes`` only for the expert
     kernels (each device holds other experts; the all-to-all's transpose has already
-    brought them every token's contribution). Non-expert params must be replicated over
-    every one of those axes, expert kernels split over `expert_axis` (`moe_ep_rules`).
+    brought them every token's contribution). Non-expert params are replicated over
+    every one of those axes, expert kernels split over `expert_axis` (`moe_ep_rules`),
+    unless `specs` makes them FSDP shards.
+
+    EP x FSDP: with `specs` (the params' ``PartitionSpec`` tree, the shard_map's
+    ``in_specs``), a trainable leaf whose spec splits one dimension over one of
+    `data_axes` is a fully sharded (ZeRO-3) leaf: it is gathered over that axis
+    (``all_gather``) once at the start of the step, and its gradient is reduce-scattered
+    over it (``psum_scatter``) once at the end, so it comes back as this device's shard
+    (leave the ``shard_map`` with `specs`' trainable part as out_specs). An expert
+    kernel may be split over `expert_axis` on its expert dimension and over a data axis
+    on another (``('expert', 'data', None)``): each expert group then holds 1/(data x
+    expert) of the expert bytes between steps. During the step the gathered leaves are
+    whole (``'per_step'`` in `fsdp_value_and_grad`'s terms).
 
     As `dp_value_and_grad`, over all the batch axes together:
 
@@ -484,6 +497,9 @@ def ep_value_and_grad(
       data_axes: the data axes the batch is also split over (None: EP alone).
       expert_pattern: a regular expression searched in each parameter's path
         (``'net/block/moe/experts/up'``) that marks the expert kernels.
+      specs: None, or the params' ``PartitionSpec`` tree (``bp.param_specs(params,
+        rules, mesh)``); trainable leaves split over a data axis are FSDP shards (above).
+        Non-trainable leaves must not be split over a data axis.
       microbatches: ``k``; splits of this device's batch run one after the other in a
         ``jax.lax.scan``, the non-trainable state threaded through them.
       has_aux: `loss_fn` returns ``(loss, aux)``; aux is reduced as the loss (floating
@@ -500,7 +516,8 @@ def ep_value_and_grad(
     Raises:
       ValueError: an axis not bound, ``check_vma=False``, a batch not divisible by
         `microbatches`, an unlisted `Rng` that draws, a new parameter, integer state that
-        differs between devices.
+        differs between devices, a leaf split over a data axis on several dimensions (or
+        a non-trainable one split over a data axis).
     """
     where = "ep_value_and_grad"
     data = _as_axes(data_axes, "data_axes")
@@ -514,6 +531,14 @@ def ep_value_and_grad(
     def is_expert(path: Path, _: Any = None) -> bool:
         return pattern.search(format_path(path)) is not None
 
+    def reduce_sharded(kp: Any, g: jax.Array, shards: dict, names: tuple) -> jax.Array:
+        """An FSDP leaf's gradient: summed over the batch axes it is not split over,
+        reduce-scattered over the one it is."""
+        axis, dim = shards[kp[0].key]
+        over = data if pattern.search(kp[0].key) else names
+        g = _psum(g, tuple(a for a in over if a != axis))
+        return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+
     def f(params: Params, *batch: Any):
         names = check_axis(data + (expert,), where)
         if not check_vma_enabled():
@@ -526,11 +551,17 @@ def ep_value_and_grad(
         params, seeds = fold_seeds(params, rngs, names)
         trainable, rest = params.split(predicate)
         experts = frozenset(key for key in trainable.keys() if is_expert(key))
+        shards = _fsdp_shards(specs, trainable, rest, data, where)
+
+        def gather(kp, v):
+            hit = shards.get(kp[0].key)
+            return v if hit is None else jax.lax.all_gather(v, hit[0], axis=hit[1], tiled=True)
+
         # Local gradients: every leaf varies over every axis, so autodiff inserts no
         # reduction; the reductions below are the only ones.
         sums, rest = accumulate_microbatches(
             loss_fn,
-            _to_varying(trainable, names),
+            _to_varying(jax.tree_util.tree_map_with_path(gather, trainable), names),
             rest,
             batch,
             k=microbatches,
@@ -544,9 +575,13 @@ def ep_value_and_grad(
             reduce_dtype=reduce_dtype,
         )
         grads, (loss, aux), w = sums
+        sharded, grads = grads.split(lambda key, _: format_path(key) in shards)
         mine, shared = grads.split(is_expert)
         shared, loss, aux, w = _psum((shared, loss, aux, w), names)
-        grads = _psum(mine, data).merge(shared)
+        sharded = jax.tree_util.tree_map_with_path(
+            functools.partial(reduce_sharded, shards=shards, names=names), sharded
+        )
+        grads = _psum(mine, data).merge(shared).merge(sharded)
         if w is not None:
             one = jnp.where(w > 0, w, jnp.ones((), w.dtype))
             loss, grads = jax.tree.map(lambda v: v / one.astype(v.dtype), (loss, grads))
@@ -557,3 +592,43 @@ def ep_value_and_grad(
         return ((loss, aux) if has_aux else loss), _like(grads, trainable), out
 
     return f
+
+
+def _fsdp_shards(
+    specs: Params | None, trainable: Params, rest: Params, data: tuple[str, ...], where: str
+) -> dict[str, tuple[str, int]]:
+    """``{'a/b/c': (data axis, dimension)}``: the trainable leaves `specs` splits over a
+    data axis (the FSDP shards of `ep_value_and_grad`)."""
+    if specs is None:
+        return {}
+    if not isinstance(specs, Params):
+        raise TypeError(
+            f"{where}: specs must be the params' PartitionSpec tree (bp.param_specs(params, "
+            f"rules, mesh)), got {type(specs).__name__}."
+        )
+    out = {}
+    for group, trained in ((trainable, True), (rest, False)):
+        for key in group.keys():
+            spec = specs.value(key)
+            if spec is None:
+                raise ValueError(
+                    f"{where}: specs have no entry for '{format_path(key)}'. Build them from "
+                    "these params: bp.param_specs(params, rules, mesh)."
+                )
+            hits = [
+                (a, d)
+                for d, entry in enumerate(spec)
+                for a in (entry if isinstance(entry, tuple) else (entry,))
+                if a in data
+            ]
+            if not hits:
+                continue
+            if len(hits) > 1 or not trained:
+                what = "several data-axis splits" if trained else "a non-trainable leaf split"
+                raise ValueError(
+                    f"{where}: '{format_path(key)}' has spec {spec}: {what} over the data "
+                    f"axes {data}. Split a trainable leaf over one data axis on one "
+                    "dimension (as FSDP), and keep non-trainable state replicated over them."
+                )
+            out[format_path(key)] = hits[0]
+    return out

@@ -1,12 +1,15 @@
 """Expert parallelism against one device (8 simulated CPU devices).
 
-* EP = 8 (Explicit mesh) and EP x DP = 2 x 4 (Auto mesh) train 3 steps equal to one
-  device (1e-5): a dropless `MoE` on one device (``ragged_dot``) against the dense
-  all-to-all path with the worst-case capacity, the balancing and z losses weighted
-  > 0, the routing bias updated every step from the global loads.
+* EP = 8 (Explicit mesh), EP x DP = 2 x 4 (Auto), EP x TP = 4 x 2 (tensor parallelism
+  inside the experts, Explicit) and EP x FSDP = 4 x 2 (expert kernels also split over
+  'data', gathered and reduce-scattered by the step; Explicit and Auto) train 3 steps
+  equal to one device (1e-5): a dropless `MoE` on one device (``ragged_dot``) against
+  the dense all-to-all path with the worst-case capacity, the balancing and z losses
+  weighted > 0, the routing bias updated every step from the global loads.
 * With drops (capacity factor 1), one device with ``groups = N`` equals EP = N: the
   same tokens dropped, the same outputs and gradients.
-* Expert kernels per device are 1/N of the unsharded ones.
+* Expert kernels per device are 1/N of the unsharded ones (N: the devices they are
+  split over).
 * `ragged_dispatch_plan`'s offsets and sizes, run through a NumPy model of
   ``ragged_all_to_all``, deliver every row to its expert's device grouped by local
   expert and bring it back to its place; ``dispatch='ragged'`` on XLA:CPU raises.
@@ -95,12 +98,15 @@ def _one_device_steps(one, params, x, target, steps):
     return params, out
 
 
-def _ep_steps(ep, params, x, target, mesh, batch_axes, data_axes, steps, rules=RULES):
+def _ep_steps(ep, params, x, target, mesh, batch_axes, data_axes, steps, rules=RULES, fsdp=False):
     """The user's step: shard_map over the mesh, ep_value_and_grad, SGD on the local
-    shards, the bias update from the global loads."""
+    shards, the bias update from the global loads. `fsdp`: the step gets the specs, so
+    leaves split over the data axis are FSDP shards."""
     specs = bp.param_specs(params, rules, mesh)
     params = jax.device_put(params, bp.param_shardings(params, rules, mesh))
-    grad_fn = bp.ep_value_and_grad(_loss_fn(ep), data_axes=data_axes, has_aux=True)
+    grad_fn = bp.ep_value_and_grad(
+        _loss_fn(ep), data_axes=data_axes, has_aux=True, specs=specs if fsdp else None
+    )
 
     def body(params, x, target):
         (loss, aux), g, params = grad_fn(params, x, target)
@@ -143,33 +149,50 @@ def _compare(ep_run, one_run):
     return out_ep
 
 
+# EP x FSDP: the expert kernels split over 'expert' on E and over 'data' on another
+# dimension, the router kernel over 'data'; the step gathers them and reduce-scatters.
+FSDP_RULES = [
+    ("experts/(gate|up)", ("expert", "data", None)),
+    ("experts/down", ("expert", None, "data")),
+    ("router/kernel", ("data", None)),
+    (".*", None),
+]
+
+
 @pytest.mark.parametrize(
-    "shape, names, kind, batch_axes, data_axes",
+    "shape, names, kind, batch_axes, data_axes, fsdp, n",
     [
-        ((8,), ("expert",), "explicit", "expert", None),
-        ((4, 2), ("data", "expert"), "auto", ("data", "expert"), "data"),
-        ((4, 2), ("expert", "model"), "explicit", "expert", None),
+        ((8,), ("expert",), "explicit", "expert", None, False, 8),
+        ((4, 2), ("data", "expert"), "auto", ("data", "expert"), "data", False, 2),
+        ((4, 2), ("expert", "model"), "explicit", "expert", None, False, 8),
+        ((2, 4), ("data", "expert"), "explicit", ("data", "expert"), "data", True, 8),
+        ((2, 4), ("data", "expert"), "auto", ("data", "expert"), "data", True, 8),
     ],
-    ids=["ep8-explicit", "dp4xep2-auto", "ep4xtp2-explicit"],
+    ids=[
+        "ep8-explicit",
+        "dp4xep2-auto",
+        "ep4xtp2-explicit",
+        "fsdp2xep4-explicit",
+        "fsdp2xep4-auto",
+    ],
 )
-def test_ep_equals_one_device_over_three_steps(shape, names, kind, batch_axes, data_axes):
+def test_ep_equals_one_device_over_three_steps(shape, names, kind, batch_axes, data_axes, fsdp, n):
+    """`n`: the devices each expert kernel is split over (expert x model, or x data
+    with FSDP); each device holds 1/n of its bytes."""
     mesh = _mesh(shape, names, kind)
     model = "model" if "model" in names else None
-    token_axes = tuple(n for n in names if n != "model")
+    token_axes = tuple(a for a in names if a != "model")
     ep, one, rng = _layers(token_axes, model_axis=model)
-    rules = bp.moe_ep_rules(model_axis=model) + [(".*", None)]
+    rules = FSDP_RULES if fsdp else bp.moe_ep_rules(model_axis=model) + [(".*", None)]
     x, target = _data()
     params = _init(one, rng, x)
     with jax.default_matmul_precision("highest"):
         ref = _one_device_steps(one, params, x, target, 3)
-        run = _ep_steps(ep, params, x, target, mesh, batch_axes, data_axes, 3, rules)
+        run = _ep_steps(ep, params, x, target, mesh, batch_axes, data_axes, 3, rules, fsdp)
     out = _compare(run, ref)
     assert all(d == 0 for _, _, d in out)  # worst-case capacity: nothing dropped
     bias = np.asarray(run[0][("net", "moe", "router", "bias")].value)
     assert np.any(bias != 0) and abs(bias.sum()) < 1e-6  # the bias moved, centred
-    # Expert kernels: 1/N of the unsharded bytes on each device (N = the expert axis
-    # size, times the model axis size with tensor parallelism inside the experts).
-    n = int(np.prod([s for a, s in zip(names, shape, strict=True) if a != "data"]))
     for path, v in run[0].arrays().items():
         if path[-2] == "experts":
             local = v.addressable_shards[0].data.nbytes
@@ -421,3 +444,29 @@ def test_moe_with_token_axes_under_make_dp_train_step_equals_one_device():
         np.testing.assert_allclose(
             np.asarray(new[path].value), np.asarray(v), rtol=1e-5, atol=1e-6, err_msg=str(path)
         )
+
+
+def test_fsdp_specs_misuse_is_named():
+    """A non-trainable leaf split over a data axis is refused naming the leaf, and specs
+    that are not a Params of PartitionSpec say what to pass."""
+    mesh = _mesh((2, 4), ("data", "expert"), "auto")
+    ep, one, rng = _layers(("data", "expert"))
+    x, target = _data()
+    params = _init(one, rng, x)
+    batch = P(("data", "expert"))
+    specs = bp.param_specs(params, [("router/bias", ("data",))] + FSDP_RULES, mesh)
+
+    def trace(step_specs):
+        f = bp.ep_value_and_grad(_loss_fn(ep), data_axes="data", has_aux=True, specs=step_specs)
+        g = jax.shard_map(
+            f,
+            mesh=mesh,
+            in_specs=(specs, batch, batch),
+            out_specs=((P(), P()), specs.split()[0], specs),
+        )
+        return jax.eval_shape(g, params, x, target)
+
+    with pytest.raises(ValueError, match=r"'net/moe/router/bias' has spec .* non-trainable"):
+        trace(specs)
+    with pytest.raises(TypeError, match=r"specs must be the params' PartitionSpec tree"):
+        trace(dict(specs.arrays()))
