@@ -470,3 +470,69 @@ def test_fsdp_specs_misuse_is_named():
         trace(specs)
     with pytest.raises(TypeError, match=r"specs must be the params' PartitionSpec tree"):
         trace(dict(specs.arrays()))
+
+
+def test_microbatches_weights_and_a_bias_set_in_the_loss_equal_one_device():
+    """DP x EP = 2 x 4 with 2 microbatches per device, a masked loss weighted by
+    ``aux['weight']`` (parts with 1 to 4 real tokens) and the routing bias updated
+    inside the loss from each microbatch's global loads: the loss, the gradients and
+    the bias equal one device running the 2 global microbatches (microbatch j: the j-th
+    half of every device's rows) in order, weighted by their real tokens."""
+    mesh = _mesh((2, 4), ("data", "expert"), "auto")
+    ep, one, rng = _layers(("data", "expert"))
+    x, target = _data(seed=3)
+    mask = np.ones((B, T), np.float32)  # per token; each device's part is 1 row
+    mask[6, 1:] = 0.0
+    mask[11, :2] = 0.0
+    mask = jnp.asarray(mask)
+    params = _init(one, rng, x)
+
+    def loss_fn(layer):
+        def f(params, x, target, mask):
+            (y, aux), params = layer(params, x)
+            err = jnp.sum(jnp.square(y - target), axis=-1) * mask
+            count = jnp.sum(mask)
+            loss = jnp.sum(err) / jnp.maximum(count, 1.0) + aux["aux_loss"]
+            params = layer.update_bias(params, aux["load"], RATE)
+            return (loss, {"weight": count}), params
+
+        return f
+
+    specs = bp.param_specs(params, RULES, mesh)
+    grad_fn = bp.ep_value_and_grad(loss_fn(ep), data_axes="data", has_aux=True, microbatches=2)
+    batch = P(("data", "expert"))
+    step = jax.jit(
+        jax.shard_map(
+            grad_fn,
+            mesh=mesh,
+            in_specs=(specs, batch, batch, batch),
+            out_specs=((P(), P()), specs.split()[0], specs),
+        )
+    )
+    # One device: microbatch j holds row j of every device's 2 rows.
+    micro = [(a.reshape(8, 2, *a.shape[1:])[:, j]) for j in range(2) for a in (x, target, mask)]
+    ref_fn = loss_fn(one)
+    with jax.default_matmul_precision("highest"):
+        (loss, aux), grads, new = step(params, x, target, mask)
+
+        def f(t, rest, *mb):
+            (l_, a), out = ref_fn(t.merge(rest), *mb)
+            return l_, (a["weight"], out)
+
+        ref_step = jax.jit(jax.value_and_grad(f, has_aux=True))
+        p, total, wsum, gsum = params, 0.0, 0.0, None
+        for j in range(2):
+            (l_, (w, p)), g = ref_step(*p.split(), *micro[3 * j : 3 * j + 3])
+            total += float(l_) * float(w)
+            wsum += float(w)
+            g = jax.tree.map(lambda v, w=w: v * w, g)
+            gsum = g if gsum is None else jax.tree.map(jnp.add, gsum, g)
+    np.testing.assert_allclose(float(loss), total / wsum, rtol=1e-5)
+    assert float(aux["weight"]) == wsum == B * T - 5
+    for path, v in gsum.arrays().items():
+        np.testing.assert_allclose(
+            np.asarray(grads[path].value), np.asarray(v) / wsum, rtol=1e-5, atol=1e-6
+        )
+    bias = ("net", "moe", "router", "bias")
+    np.testing.assert_allclose(np.asarray(new[bias].value), np.asarray(p[bias].value), atol=1e-7)
+    assert np.any(np.asarray(p[bias].value) != 0)  # the bias moved twice, as one device's
