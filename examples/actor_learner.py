@@ -230,6 +230,7 @@ class Parts(NamedTuple):
     rollout: Any  # (params, Runner) -> (params, Runner, Rollout)
     learn: Any  # (params, opt_state, Rollout) -> (params, opt_state, metrics)
     update: Any  # Runner -> (Runner, metrics)
+    observe: Any  # (params, raw obs [..., 4]) -> params: the statistics merge them
 
 
 def build(cfg: Config, *, actor_shards: int | None = None) -> Parts:
@@ -252,6 +253,7 @@ def build(cfg: Config, *, actor_shards: int | None = None) -> Parts:
             "device steps an equal share)."
         )
     e_local = e // (actor_shards or d)
+    shared_stats = (actor_shards or 1) > 1  # statistics of all actors' environments
     mb = e // m  # environments per minibatch
     mb_local = mb // d
 
@@ -337,7 +339,9 @@ def build(cfg: Config, *, actor_shards: int | None = None) -> Parts:
         obs_n, _ = agent.obs_norm(params, obs, is_training=False)
         (_, last_value, _), _ = agent.step(params, obs_n, state, done)
         # The statistics move only now: the whole rollout was normalized as of its start.
-        params = agent.obs_norm.update(params, traj.obs)
+        # (Several Sebulba actors merge every actor's observations instead: `_act`.)
+        if not shared_stats:
+            params = agent.obs_norm.update(params, traj.obs)
         shuffle_key, params = rng(params)
         shuffle_key = jax.random.key_data(shuffle_key)  # raw: checkpointable
         out = Rollout(traj, runner.hidden, last_value, shuffle_key, runner.update)
@@ -448,7 +452,7 @@ def build(cfg: Config, *, actor_shards: int | None = None) -> Parts:
         runner = runner._replace(params=params, opt_state=opt_state, update=runner.update + 1)
         return runner, metrics
 
-    return Parts(cfg, graph, rng, agent, tx, init, rollout, learn, update)
+    return Parts(cfg, graph, rng, agent, tx, init, rollout, learn, update, agent.obs_norm.update)
 
 
 def make_train(cfg: Config | dict):
@@ -574,8 +578,9 @@ def _sebulba_programs(cfg: Config, actor_devices: tuple, learner_devices: tuple)
         devices=learner_devices,
         axis_types=(jax.sharding.AxisType.Explicit,),
     )
-    init, rollout = jax.jit(actor.init), jax.jit(actor.rollout)
-    return {"mesh": mesh, "init": init, "rollout": rollout, "learner": learner, "learn": None}
+    init, rollout, observe = jax.jit(actor.init), jax.jit(actor.rollout), jax.jit(actor.observe)
+    return {"mesh": mesh, "init": init, "rollout": rollout, "observe": observe,
+            "actor_devices": actor_devices, "learner": learner, "learn": None}  # fmt: skip
 
 
 def sebulba_start(cfg: Config, seed: int, actor_devices, learner_devices) -> dict:
@@ -603,8 +608,18 @@ def sebulba_start(cfg: Config, seed: int, actor_devices, learner_devices) -> dic
 
 
 def _act(progs: dict, runners: list[Runner]):
+    """Each actor's rollout on its device. With several actors, each then merges *every*
+    actor's raw observations (environments in global order) into its statistics, so all
+    of them normalize as one device does (an exchange of ``T x E x 4`` floats)."""
     out = [progs["rollout"](r.params, r) for r in runners]
-    return [r._replace(params=p) for p, r, _ in out], [ro for _, _, ro in out]
+    params, new, rollouts = ([o[i] for o in out] for i in range(3))
+    if len(runners) > 1:
+        devices = progs["actor_devices"]
+        params = [
+            progs["observe"](p, jnp.concatenate([bp.place(ro.traj.obs, dev) for ro in rollouts], 1))
+            for p, dev in zip(params, devices, strict=True)
+        ]
+    return [r._replace(params=p) for p, r in zip(params, new, strict=True)], rollouts
 
 
 def sebulba(cfg: Config, state: dict, actor_devices, learner_devices, lag: int):

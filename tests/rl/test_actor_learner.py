@@ -154,10 +154,10 @@ def _one_device_metrics(cfg) -> np.ndarray:
     return _rows(metrics)
 
 
-def _sebulba(cfg, lag, state=None, ckpt=None) -> tuple[np.ndarray, list[int]]:
-    """Sebulba on 1 actor device and 4 learner devices: the metrics per update, the
+def _sebulba(cfg, lag, state=None, ckpt=None, a=1) -> tuple[np.ndarray, list[int]]:
+    """Sebulba on `a` actor devices and 4 learner devices: the metrics per update, the
     versions; with `ckpt` (a CheckpointManager) the state is saved after each update."""
-    actors, learners = jax.devices()[:1], jax.devices()[1:5]
+    actors, learners = jax.devices()[:a], jax.devices()[a : a + 4]
     if state is None:
         state = al.sebulba_start(cfg, 0, actors, learners)
     rows, versions = [], []
@@ -179,6 +179,10 @@ def test_anakin_8_devices_and_sebulba_at_lag_0_equal_one_device():
     seb, versions = _sebulba(SMALL, 0)
     np.testing.assert_allclose(seb, one, rtol=1e-5, atol=1e-6, err_msg="Sebulba lag 0")
     assert versions == [1, 2, 3], versions
+    # two actor devices, each stepping half the environments: every actor merges all
+    # actors' observations into its statistics, so the run is still the one-device run
+    seb2, _ = _sebulba(SMALL, 0, a=2)
+    np.testing.assert_allclose(seb2, one, rtol=1e-5, atol=1e-6, err_msg="2 actors, lag 0")
     assert np.all(one[:, 1] <= 1e-6) and np.all(one[:, 3] > 0), one
 
 

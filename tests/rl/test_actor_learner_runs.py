@@ -56,9 +56,16 @@ def test_tiny_learns_and_sebulba_lag_1_prints_the_actor_version():
     assert len(_lines(outs["lag1"])) == 4, tail(outs["lag1"])
 
 
-def test_sigkill_then_restart_continues_bit_identically(tmp_path):
+SEBULBA_LAG_1 = ("--actor-devices", "2", "--learner-devices", "4", "--policy-lag", "1")
+
+
+@pytest.mark.parametrize("layout", [(), SEBULBA_LAG_1], ids=["anakin", "sebulba_lag1"])
+def test_sigkill_then_restart_continues_bit_identically(tmp_path, layout):
+    """Anakin, and Sebulba at policy lag 1 with two actor devices (whose checkpoint
+    holds the learner's state, each actor's runner and the rollout collected with the
+    previous weights)."""
     steps = 10
-    args = ("--size", "tiny", "--steps", str(steps), "--save-every", "2")
+    args = ("--size", "tiny", "--steps", str(steps), "--save-every", "2", *layout)
     full = start(SCRIPT, *args, "--ckpt-dir", str(tmp_path / "full"))
     killed = start(SCRIPT, *args, "--ckpt-dir", str(tmp_path / "killed"))
     try:
@@ -91,4 +98,10 @@ def test_sigkill_then_restart_continues_bit_identically(tmp_path):
     assert len(full_lines) == steps, tail(outs["full"])
     # the same text: every float printed with repr, so equal text is equal bits
     assert LINE.findall(outs["resumed"]) == full_lines[start_at:], tail(outs["resumed"])
+    versions = VERSION.findall(outs["full"])
+    assert VERSION.findall(outs["resumed"]) == versions[start_at:]
+    if layout:
+        assert [(int(n), int(v)) for n, v in versions] == [
+            (n, max(n - 1, 1)) for n in range(1, steps + 1)
+        ], versions
     assert FINAL.findall(outs["resumed"]) == FINAL.findall(outs["full"])
