@@ -8,6 +8,8 @@
     python examples/gpt_tp.py --mesh 8x1 --fsdp          # FSDP (ZeRO-3): the same losses
     python examples/gpt_tp.py --mesh 4x2 --ckpt-dir /tmp/gpt --steps 100   # save ...
     python examples/gpt_tp.py --mesh 2x4 --ckpt-dir /tmp/gpt --steps 200   # ... resume at TP=4
+    python examples/gpt_tp.py --mesh 1x1 --experts 4 --top-k 2   # MoE MLPs, one device
+    python examples/gpt_tp.py --mesh 2x1 --experts 4 --top-k 2 --expert-parallel 4  # EP
 
 On CPU the script simulates 8 devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``,
 set before JAX starts unless XLA_FLAGS already sets a count). ``--mesh DxM`` builds a
@@ -41,6 +43,22 @@ bit for bit.
 model calls its layers through `blox.parallel.fsdp_call`) and their gradients leave as a
 reduce-scatter. The script prints ``param_bytes_per_device=<int>`` (read from the
 arrays' shardings) once before training; the losses equal those of ``--mesh 1x1``.
+
+``--experts E --top-k K`` makes every block's MLP a mixture of E experts
+(`blox.nn.MoE`, K experts per token, SwiGLU experts of hidden size 2 x width, a
+balancing loss weighted 0.01 and a z-loss 0.001 added to the loss, the routing bias
+updated inside the loss from each step's global loads). Dropless by default;
+``--capacity-factor C`` caps each expert at C x its even share of a device's tokens
+(what overflows is dropped, so the losses then depend on how many devices share the
+batch). ``--expert-parallel N`` adds an ``expert`` mesh axis of N devices (the mesh is
+D x N x M: data x expert x model): the batch is split over data x expert, the experts
+over ``expert`` (`blox.parallel.ExpertParallelMoE`, tokens sent to their experts and
+back with all-to-alls; with M > 1 each expert's hidden features are also split over
+``model``), and the step is `blox.parallel.ep_value_and_grad` in the script's own
+``jax.shard_map``, then the optimizer outside it. Dropless, the losses equal those of
+the same MoE on ``--mesh 1x1`` (to about 1e-6). With experts the script prints
+``expert_bytes_per_device=<int>`` once, and after each step line a line ``moe step=<n>
+dropped=<fraction of the routed choices dropped> load=<each expert's share of them>``.
 
 Text: the source of a few standard-library modules (as ``examples/char_lm.py``).
 """
@@ -85,29 +103,85 @@ def load_tokens() -> np.ndarray:
     return np.array([index.get(c, 1) for c in text], dtype=np.int32)
 
 
-class GPT(bx.Module):
-    """Token embedding -> ParallelTransformerBlock x L (RoPE, causal) -> LayerNorm ->
-    logits with the tied embedding."""
+class MoEBlock(bx.Module):
+    """A pre-norm block whose MLP is a mixture of experts (`make_moe`)::
 
-    def __init__(self, graph, vocab, width, layers, heads, rng):
+    h = x + attn(norm1(x))          # ParallelMultiHeadAttention (heads over model)
+    y = h + moe(norm2(h))           # returns (y, moe's aux)
+    """
+
+    def __init__(self, graph, width, heads, rng, make_moe):
+        super().__init__(graph)
+        self.norm1 = bx.LayerNorm(graph / "norm1")
+        self.attn = bp.ParallelMultiHeadAttention(graph / "attn", width, heads, rng, use_rope=True)
+        self.norm2 = bx.LayerNorm(graph / "norm2")
+        self.moe = make_moe(graph / "moe")
+
+    def __call__(self, params, x, *, is_causal=True):
+        h, params = self.norm1(params, x)
+        a, params = self.attn(params, h, is_causal=is_causal)
+        h = x + a
+        z, params = self.norm2(params, h)
+        (y, aux), params = self.moe(params, z)
+        return (h + y, aux), params
+
+
+class GPT(bx.Module):
+    """Token embedding -> ParallelTransformerBlock x L (RoPE, causal; `MoEBlock` with
+    `make_moe`) -> LayerNorm -> logits with the tied embedding. Returns ``((logits, [the
+    MoE aux of each block]), params)``."""
+
+    def __init__(self, graph, vocab, width, layers, heads, rng, make_moe=None):
         super().__init__(graph)
         self.embed = bx.Embed(graph / "embed", vocab, width, rng)
-        self.blocks = [
-            bp.ParallelTransformerBlock(
-                graph / f"block_{i}", model_size=width, num_heads=heads, rng=rng, use_rope=True
-            )
-            for i in range(layers)
-        ]
+        if make_moe is None:
+            self.blocks = [
+                bp.ParallelTransformerBlock(
+                    graph / f"block_{i}", model_size=width, num_heads=heads, rng=rng, use_rope=True
+                )
+                for i in range(layers)
+            ]
+        else:
+            self.blocks = [
+                MoEBlock(graph / f"block_{i}", width, heads, rng, make_moe) for i in range(layers)
+            ]
         self.final_norm = bx.LayerNorm(graph / "final_norm")
 
     def __call__(self, params, tokens):
         # fsdp_call: under --fsdp each layer's weights are gathered over `data` just
         # before use and dropped after; otherwise it is the plain call.
         h, params = bp.fsdp_call(self.embed, params, tokens)
+        auxes = []
         for block in self.blocks:
             h, params = bp.fsdp_call(block, params, h, is_causal=True)
+            if isinstance(h, tuple):  # an MoEBlock: (h, aux)
+                h, aux = h
+                auxes.append(aux)
         h, params = self.final_norm(params, h)
-        return bp.fsdp_call(self.embed.attend, params, h)
+        logits, params = bp.fsdp_call(self.embed.attend, params, h)
+        return (logits, auxes), params
+
+
+def ep_train_step(loss_fn, tx, mesh, specs, batch_spec):
+    """``step(params, opt_state, x, y) -> (params, opt_state, metrics)`` with expert
+    parallelism: `ep_value_and_grad` inside ``jax.shard_map`` (batch over data x expert,
+    params laid out by `specs`), then the optimizer on the global arrays."""
+    grad_fn = bp.ep_value_and_grad(loss_fn, expert_axis="expert", data_axes="data", has_aux=True)
+    trainable_specs = specs.split()[0]
+    run = jax.shard_map(
+        grad_fn,
+        mesh=mesh,
+        in_specs=(specs, batch_spec, batch_spec),
+        out_specs=((P(), P()), trainable_specs, specs),
+    )
+
+    def step(params, opt_state, x, y):
+        (loss, moe), grads, params = run(params, x, y)
+        trainable, rest = params.split()
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates).merge(rest), opt_state, {"loss": loss, **moe}
+
+    return step
 
 
 def window_starts(seed: int, step: int, batch: int, n_tokens: int, context: int) -> np.ndarray:
@@ -128,6 +202,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     )
     parser.add_argument("--ckpt-dir", default=None, help="checkpoint here; resume if it holds one")
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--experts", type=int, default=None, help="E: MoE MLPs of E experts")
+    parser.add_argument("--top-k", type=int, default=2, help="K: experts per token")
+    parser.add_argument(
+        "--capacity-factor", type=float, default=None, help="per-device expert capacity"
+    )
+    parser.add_argument(
+        "--expert-parallel", type=int, default=None, help="N: experts split over N devices"
+    )
     args = parser.parse_args(argv)
     width, layers, heads, context, batch, steps, lr = SIZES[args.size]
     steps = args.steps or steps
@@ -144,18 +226,57 @@ def main(argv: list[str] | None = None) -> list[float]:
         )
     if args.save_every < 1:
         parser.error("--save-every must be >= 1")
+    ep = args.expert_parallel
+    if args.experts is None and (ep is not None or args.capacity_factor is not None):
+        parser.error("--expert-parallel and --capacity-factor need --experts E")
+    if args.experts is not None and args.fsdp:
+        parser.error("--experts does not combine with --fsdp in this example")
+    if ep is not None and not (ep >= 1 and args.experts % ep == 0):
+        parser.error(f"--expert-parallel {ep} must divide --experts {args.experts}")
+    n = ep or 1
+    if d * n * m > jax.device_count() or (info.is_multiprocess and d * n * m != jax.device_count()):
+        parser.error(f"--mesh {args.mesh} x --expert-parallel {n} needs {d * n * m} devices")
 
-    mesh = bp.make_mesh((d, m), ("data", "model"), devices=jax.devices()[: d * m])
+    if ep is None:
+        mesh = bp.make_mesh((d, m), ("data", "model"), devices=jax.devices()[: d * m])
+        batch_axes = "data"
+    else:
+        names = ("data", "expert", "model")
+        mesh = bp.make_mesh((d, n, m), names, devices=jax.devices()[: d * n * m])
+        batch_axes = ("data", "expert")
     print(bp.describe_mesh(mesh), flush=True)
     data = load_tokens()
 
     graph = bx.Graph("gpt")
     rng = bx.Rng(graph / "rng")
-    model = GPT(graph / "lm", len(CHARS), width, layers, heads, rng)
-    rules = bp.transformer_tp_rules("model") + [
-        ("embed/embedding", None),  # replicated (the tied output head)
-        ("rng/(seed|counter)", None),
-    ]
+    make_moe, moe_rules = None, []
+    if args.experts is not None:
+        cfg = dict(
+            top_k=args.top_k,
+            capacity_factor=args.capacity_factor,
+            balance_weight=0.01,
+            z_weight=1e-3,
+            routing_bias=True,
+        )
+        if ep is None:  # every device holds every expert; the loads are global over data
+            make_moe = lambda g: bx.MoE(g, args.experts, 2 * width, rng, token_axes="data", **cfg)  # noqa: E731
+            moe_rules = [("moe/.*", None)]
+        else:
+            tp = "model" if m > 1 else None
+            make_moe = lambda g: bp.ExpertParallelMoE(  # noqa: E731
+                g, args.experts, 2 * width, rng, token_axes=batch_axes, model_axis=tp, **cfg
+            )
+            moe_rules = bp.moe_ep_rules("expert", model_axis=tp) + [("moe/router/.*", None)]
+    model = GPT(graph / "lm", len(CHARS), width, layers, heads, rng, make_moe)
+    rules = (
+        moe_rules
+        # the dense MLP's rules only where the blocks have one
+        + [r for r in bp.transformer_tp_rules("model") if not (moe_rules and "mlp/" in r[0])]
+        + [
+            ("embed/embedding", None),  # replicated (the tied output head)
+            ("rng/(seed|counter)", None),
+        ]
+    )
 
     def init():
         params = rng.seed(bx.Params(), seed=args.seed)
@@ -172,6 +293,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     )
     params = jax.jit(init, out_shardings=shardings)()
     print(f"param_bytes_per_device={bp.bytes_per_device(params)}", flush=True)
+    if make_moe is not None:
+        experts = params.split(lambda path, _: "experts" in path)[0]
+        print(f"expert_bytes_per_device={bp.bytes_per_device(experts)}", flush=True)
     tx = optax.adamw(lr, weight_decay=0.01)
     trainable = params.split()[0]
     opt_state = jax.jit(
@@ -180,16 +304,26 @@ def main(argv: list[str] | None = None) -> list[float]:
     )(trainable)
 
     def loss_fn(params, x, y):
-        logits, params = model(params, x)
+        (logits, auxes), params = model(params, x)
         ll = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(ll, y[..., None], axis=-1)), params
+        loss = -jnp.mean(jnp.take_along_axis(ll, y[..., None], axis=-1))
+        if make_moe is None:
+            return loss, params
+        for block, aux in zip(model.blocks, auxes, strict=True):
+            loss = loss + aux["aux_loss"]
+            params = block.moe.update_bias(params, aux["load"], 1e-3)  # global loads
+        moe = {k: sum(a[k] for a in auxes) for k in ("dropped", "load")}
+        return (loss, moe), params
 
+    has_aux = make_moe is not None
     if args.fsdp:
         step_fn = bp.make_fsdp_train_step(loss_fn, tx, mesh, specs)
+    elif ep is None:
+        step_fn = bp.make_dp_train_step(loss_fn, tx, mesh, param_specs=specs, has_aux=has_aux)
     else:
-        step_fn = bp.make_dp_train_step(loss_fn, tx, mesh, param_specs=specs)
+        step_fn = ep_train_step(loss_fn, tx, mesh, specs, P(batch_axes))
     step = jax.jit(step_fn, donate_argnums=(0, 1))
-    batch_sharding = NamedSharding(mesh, P("data"))
+    batch_sharding = NamedSharding(mesh, P(batch_axes))
     shard = bd.process_shard(batch, batch_sharding)  # the rows this process builds
     state = {"params": params, "opt_state": opt_state, "step": 0}
     losses = []
@@ -213,6 +347,11 @@ def main(argv: list[str] | None = None) -> list[float]:
                 state = {"params": params, "opt_state": opt_state, "step": i}
                 losses.append(float(metrics["loss"]))
                 print(f"step={i} loss={losses[-1]!r}", flush=True)
+                if has_aux:
+                    load = np.asarray(metrics["load"])
+                    dropped = float(metrics["dropped"]) / load.sum()
+                    shares = " ".join(f"{v:.4f}" for v in load / load.sum())
+                    print(f"moe step={i} dropped={dropped:.6f} load={shares}", flush=True)
                 if mngr is not None:
                     mngr.save(i, state)  # writes every --save-every steps; the last on exit
     return losses
