@@ -15,6 +15,8 @@ behind the user's back.
   `ParallelMultiHeadAttention`, `ParallelTransformerBlock`.
 * Expert parallelism (inside your ``shard_map``): `ExpertParallelMoE`, `moe_ep_rules`,
   `ep_value_and_grad`, `ragged_dispatch_plan`.
+* Context parallelism (inside your ``shard_map``): `ring_attention`,
+  `allgather_attention`, `balance_sequence`, `unbalance_sequence`.
 * Per-device RNG streams: `fold_seeds`, `restore_seeds`.
 * Pipeline parallelism: `pipeline_value_and_grad`, `stack_stages`, `unstack_stages`,
   `Schedule`, `Action`, `Program`, `gpipe_schedule`, `one_f_one_b_schedule`,
@@ -27,6 +29,10 @@ from blox.parallel._collectives import pmean as pmean
 from blox.parallel._collectives import ppermute as ppermute
 from blox.parallel._collectives import psum as psum
 from blox.parallel._collectives import reduce_scatter as reduce_scatter
+from blox.parallel._context import allgather_attention as allgather_attention
+from blox.parallel._context import balance_sequence as balance_sequence
+from blox.parallel._context import ring_attention as ring_attention
+from blox.parallel._context import unbalance_sequence as unbalance_sequence
 from blox.parallel._dp import dp_value_and_grad as dp_value_and_grad
 from blox.parallel._dp import make_dp_train_step as make_dp_train_step
 from blox.parallel._dp import split_batch as split_batch
