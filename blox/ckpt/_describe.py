@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from blox.core._params import Params, _thaw, format_path
+from blox.core._params import Params, format_path
 
 __all__ = ["RestoreMismatchError", "compare", "describe"]
 
@@ -108,15 +108,13 @@ def _leaves(state: Any) -> dict[str, dict[str, Any]]:
     for key_path, node in nodes:
         prefix = jax.tree_util.keystr(key_path, simple=True, separator="/")
         if isinstance(node, Params):
-            s = node._struct
-            for path, value, (trainable, meta) in zip(s.keys, node._values, s.infos, strict=True):
+            for path, param in node.items():
                 name = f"{prefix}/{format_path(path)}" if prefix else format_path(path)
-                info = _leaf_info(value, name)
-                meta = _thaw(meta)
+                info = _leaf_info(param.value, name)
                 info["param"] = {
                     "path": format_path(path),
-                    "trainable": bool(trainable),
-                    "metadata": _json_safe(meta),
+                    "trainable": bool(param.trainable),
+                    "metadata": _json_safe(param.metadata),
                 }
                 out[name] = info
         else:

@@ -88,8 +88,8 @@ def import_params(tree: Mapping[str, Any], like: Params, *, cast: bool = False) 
         raise TypeError(f"import_params expects nested dicts, got {type(tree).__name__}.")
     checked = from_dict(tree, like=like)  # paths and shapes, every problem listed
     values = []
-    for path, ref in zip(like.keys(), like._values, strict=True):
-        value = checked._get_value(path)
+    for path, ref in zip(like.keys(), like.leaves(), strict=True):
+        value = checked[path].value
         arr = value if isinstance(value, jax.Array) else np.asarray(value)
         if arr.dtype != ref.dtype:
             if not cast:
@@ -103,4 +103,4 @@ def import_params(tree: Mapping[str, Any], like: Params, *, cast: bool = False) 
         values.append(
             jax.device_put(arr, sharding) if sharding is not None else jax.device_put(arr)
         )
-    return Params._make(like._struct, tuple(values))
+    return like.with_leaves(values)

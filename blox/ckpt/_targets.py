@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from blox.core._params import Params, _thaw, format_path
+from blox.core._params import Param, Params, format_path
 from blox.core._sharding import partition_specs
 
 __all__ = ["abstract_target"]
@@ -35,20 +35,19 @@ def _reference(nodes: list[Params]) -> Params:
     """One entry per parameter path: the parameter's shape, taken as the leaf of highest
     rank, then largest size, at that path (the parameter itself, or Adam's moments of its
     shape; Adafactor's factored statistics are smaller), with its flags and metadata."""
-    best: dict[tuple, tuple[tuple, tuple, Any, tuple]] = {}
+    best: dict[tuple, tuple[tuple, tuple, Any, Param]] = {}
     for node in nodes:
-        s = node._struct
-        for key, value, info in zip(s.keys, node._values, s.infos, strict=True):
-            shape = tuple(int(d) for d in getattr(value, "shape", ()))
-            dtype = getattr(value, "dtype", np.float32)
+        for key, param in node.items():
+            shape = tuple(int(d) for d in getattr(param.value, "shape", ()))
+            dtype = getattr(param.value, "dtype", np.float32)
             rank = (len(shape), int(np.prod(shape, dtype=np.int64)))
             if key not in best or rank > best[key][0]:
-                best[key] = (rank, shape, dtype, info)
+                best[key] = (rank, shape, dtype, param)
     items = [
-        (key, jax.ShapeDtypeStruct(shape, dtype), info)
-        for key, (_, shape, dtype, info) in best.items()
+        (key, param.replace(value=jax.ShapeDtypeStruct(shape, dtype)))
+        for key, (_, shape, dtype, param) in best.items()
     ]
-    return Params._from_items(items, locked=False)
+    return Params.from_items(items, locked=False)
 
 
 def _fitted_specs(nodes: list[Params], mesh: Mesh, rules: Sequence | None) -> list[Params]:
@@ -96,14 +95,13 @@ def _build(
     for key_path, x in flat:
         prefix = jax.tree_util.keystr(key_path, simple=True, separator="/")
         if isinstance(x, Params):
-            s = x._struct
-            specs = next(fitted)._values if mesh is not None else (None,) * len(x)
+            specs = next(fitted).leaves() if mesh is not None else (None,) * len(x)
             values = []
-            for key, value, info, spec in zip(s.keys, x._values, s.infos, specs, strict=True):
+            for (key, param), spec in zip(x.items(), specs, strict=True):
                 name = f"{prefix}/{format_path(key)}" if prefix else format_path(key)
-                no_meta = not (_thaw(info[1]).get("sharding", ()) or ())
-                values.append(place(value, name, spec, rules is None and no_meta))
-            out.append(Params._make(s, tuple(values)))
+                no_meta = not param.sharding
+                values.append(place(param.value, name, spec, rules is None and no_meta))
+            out.append(x.with_leaves(values))
         else:
             out.append(place(x, prefix or "<root>", None, True))
     return jax.tree_util.tree_unflatten(treedef, out), defaulted

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -503,6 +503,146 @@ class Params:
     def arrays(self) -> dict[Path, Any]:
         """A plain ``{path: value}`` dict (no `Param` wrappers)."""
         return dict(zip(self._struct.keys, self._values, strict=True))
+
+    # -- leaves, metadata and rebuilding (for code built on Params) ---------------
+
+    def leaves(self) -> tuple:
+        """The stored values, one per path in `keys()` order.
+
+        The same list as ``jax.tree.leaves(params)`` for array values (a ``None`` value
+        is kept here, where JAX drops it). Pair it with `with_leaves` to transform all
+        values at once, e.g. across several trees of the same paths:
+
+        >>> import jax.numpy as jnp
+        >>> params = Params()
+        >>> params[('net', 'b')] = Param(jnp.zeros((2,)))
+        >>> params[('net', 'w')] = Param(jnp.ones((2, 3)), metadata={'sharding': (None, 'model')})
+        >>> [v.shape for v in params.leaves()]
+        [(2,), (2, 3)]
+        """
+        return self._values
+
+    def with_leaves(self, leaves: Iterable[Any]) -> Params:
+        """These params with new values: the same paths, trainable flags, metadata and
+        lock flag, holding `leaves` (one per path, in `keys()` order).
+
+        The inverse of `leaves`, and ``jax.tree.unflatten(jax.tree.structure(params),
+        leaves)`` without the flatten. Values are not checked (any pytree leaf, even
+        ``None``, may be stored); use it to rebuild params from per-leaf results.
+
+        >>> import jax.numpy as jnp
+        >>> params = Params()
+        >>> params[('net', 'w')] = Param(jnp.ones((2,)), metadata={'sharding': ('model',)})
+        >>> doubled = params.with_leaves([2 * v for v in params.leaves()])
+        >>> doubled[('net', 'w')]
+        Param(float32[2], trainable=True, metadata={'sharding': ('model',)})
+
+        Raises:
+          ValueError: the number of leaves differs from the number of paths.
+        """
+        values = tuple(leaves)
+        if len(values) != len(self._values):
+            raise ValueError(
+                f"Params.with_leaves got {len(values)} leaves for {len(self._values)} paths. "
+                "Pass one value per path, in keys() order (as leaves() returns them)."
+            )
+        return Params._make(self._struct, values)
+
+    @classmethod
+    def from_items(cls, items: Iterable[tuple[Path, Param]], *, locked: bool = False) -> Params:
+        """New params from ``(path, Param)`` pairs, in any order (paths are sorted).
+
+        Builds the container in one step (item assignment re-sorts on every insertion),
+        e.g. from `items` of other params, filtered or with new values.
+
+        Args:
+          items: ``(path tuple, Param)`` pairs; each path once.
+          locked: the lock flag of the result.
+
+        >>> import jax.numpy as jnp
+        >>> p = Params.from_items([(('net', 'w'), Param(jnp.ones((2,)))),
+        ...                        (('net', 'b'), Param(jnp.zeros(()), trainable=False))])
+        >>> list(p.keys())
+        [('net', 'b'), ('net', 'w')]
+
+        Raises:
+          TypeError: an item is not a ``(path, Param)`` pair.
+          ValueError: a path appears twice; the message names it.
+        """
+        triples = {}
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Param)):
+                raise TypeError(
+                    f"Params.from_items expects (path, Param) pairs, got {item!r}. Wrap values: "
+                    "(path, bx.Param(value))."
+                )
+            path, param = _check_path(item[0]), item[1]
+            if path in triples:
+                raise ValueError(
+                    f"Params.from_items got the path '{format_path(path)}' twice; each path "
+                    "may appear once."
+                )
+            where = f"'{format_path(path)}'"
+            triples[path] = (param.value, _make_info(param.trainable, param.metadata, where))
+        keys = tuple(sorted(triples))
+        return cls._make(
+            _Structure(keys, tuple(triples[k][1] for k in keys), bool(locked)),
+            tuple(triples[k][0] for k in keys),
+        )
+
+    def metadata_entries(self, key: str) -> dict[Path, Any]:
+        """``{path: metadata[key]}`` for every path whose metadata has `key`, in `keys()`
+        order; cheaper than scanning `items` (only those entries are unfrozen).
+
+        >>> import jax.numpy as jnp
+        >>> params = Params()
+        >>> params[('net', 'b')] = Param(jnp.zeros((2,)))
+        >>> params[('net', 'w')] = Param(jnp.ones((2, 3)), metadata={'sharding': (None, 'model')})
+        >>> params.metadata_entries('sharding')
+        {('net', 'w'): (None, 'model')}
+        """
+        out = {}
+        for path, (_, meta) in zip(self._struct.keys, self._struct.infos, strict=True):
+            for k, v in meta:
+                if k == key:
+                    out[path] = _thaw(v)
+                    break
+        return out
+
+    def with_metadata(self, updates: Mapping[Path, Mapping[str, Any]]) -> Params:
+        """These params with the whole metadata of the paths in `updates` replaced by the
+        given dicts (values, trainable flags and the lock flag unchanged).
+
+        Read the current metadata with ``params[path].metadata`` (a fresh dict) and pass
+        it back changed; an empty dict clears it.
+
+        >>> import jax.numpy as jnp
+        >>> params = Params()
+        >>> params[('net', 'w')] = Param(jnp.ones((2, 3)))
+        >>> tagged = params.with_metadata({('net', 'w'): {'sharding': (None, 'model')}})
+        >>> tagged[('net', 'w')].sharding, params[('net', 'w')].sharding
+        ((None, 'model'), ())
+
+        Raises:
+          KeyError: (`BloxKeyError`) a path of `updates` that these params lack.
+          TypeError: metadata that is not a dict of hashable plain data.
+        """
+        s = self._struct
+        if not updates:
+            return self
+        infos = list(s.infos)
+        for path, meta in updates.items():
+            path = _check_path(path)
+            i = s.index.get(path)
+            if i is None:
+                raise _missing_path_error(path, s.keys)
+            if not isinstance(meta, Mapping):
+                raise TypeError(
+                    f"Params.with_metadata: the metadata of '{format_path(path)}' must be a "
+                    f"dict, got {type(meta).__name__}."
+                )
+            infos[i] = _make_info(infos[i][0], meta, f"'{format_path(path)}'")
+        return Params._make(_Structure(s.keys, tuple(infos), s.locked), self._values)
 
     # -- locking -----------------------------------------------------------------
 

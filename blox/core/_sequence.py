@@ -25,13 +25,16 @@ import numpy as np
 from blox.core._graph import Graph
 from blox.core._module import Module
 from blox.core._params import Params
+from blox.core._sharding import varying_axes
 
 __all__ = ["static_scan", "dynamic_scan", "SequenceBase", "RecurrenceBase"]
 
 StepFn = Callable[..., tuple[tuple[Any, Any], Params]]
 
 
-def _seq_len(inputs: Any, where: str) -> int:
+def sequence_length(inputs: Any, where: str) -> int:
+    """The time length (axis 1) shared by every leaf of `inputs` ``[B, T, ...]``; a
+    `ValueError` naming `where` for no arrays, a leaf of rank < 2 or differing lengths."""
     leaves = jax.tree.leaves(inputs)
     if not leaves:
         raise ValueError(f"{where}: inputs has no arrays; pass a [B, T, ...] array or pytree.")
@@ -51,7 +54,9 @@ def _seq_len(inputs: Any, where: str) -> int:
     return lengths.pop()
 
 
-def _check_reset(is_reset: Any, batch: int | None, steps: int, where: str) -> Any:
+def check_is_reset(is_reset: Any, batch: int | None, steps: int, where: str) -> Any:
+    """`is_reset` as a ``[B, T]`` bool array (trailing size-1 axes dropped), or None;
+    a `ValueError` naming `where` and the expected shape otherwise."""
     if is_reset is None:
         return None
     is_reset = jnp.asarray(is_reset)
@@ -72,7 +77,7 @@ def _check_reset(is_reset: Any, batch: int | None, steps: int, where: str) -> An
     return is_reset
 
 
-def _check_rank(inputs: Any, rank: int | None, where: str, step_call: str | None) -> None:
+def check_sequence_rank(inputs: Any, rank: int | None, where: str, step_call: str | None) -> None:
     """Every leaf of a whole sequence must be ``rank`` = one step's rank + 1 (``[B, T, F]``).
 
     `step_call` shows the one-step call (``'lstm(params, x_t, state)'``), or ``None`` for
@@ -91,13 +96,17 @@ def _check_rank(inputs: Any, rank: int | None, where: str, step_call: str | None
             )
 
 
-def _contains_params(state: Any) -> bool:
+def contains_params(state: Any) -> bool:
+    """Whether `state` is a `Params` or a tuple/list holding one (the pair returned by
+    ``initial_state`` passed as the state, see `STATE_IS_PAIR`)."""
     if isinstance(state, Params):
         return True
     return isinstance(state, (tuple, list)) and any(isinstance(s, Params) for s in state)
 
 
-_STATE_IS_PAIR = (
+#: The message for a ``prev_state`` that is (or holds) a `Params`; format it with
+#: ``where``, ``name`` (the module variable) and ``out`` (the outputs of ``apply``).
+STATE_IS_PAIR = (
     "{where}: prev_state is (or contains) a Params. initial_state returns the pair "
     "(state, params), not the state alone; unpack it:\n"
     "    state, params = {name}.initial_state(params, x_t)\n"
@@ -105,11 +114,12 @@ _STATE_IS_PAIR = (
 )
 
 
-def _batch_size(inputs: Any) -> int:
+def batch_size_of(inputs: Any) -> int:
+    """The batch size: axis 0 of the first leaf of `inputs`."""
     return jnp.shape(jax.tree.leaves(inputs)[0])[0]
 
 
-def _check_lengths(seq_lengths: Any, batch: int, steps: int, where: str) -> Any:
+def check_seq_lengths(seq_lengths: Any, batch: int, steps: int, where: str) -> Any:
     """``[B]`` integer lengths -> the ``[B, T]`` boolean mask of valid steps (or None).
 
     Values are checked when they are concrete (NumPy, Python, or a ``jax.Array`` outside
@@ -204,17 +214,17 @@ def static_scan(
     Returns:
       ``((outputs, final_state), params)`` with outputs ``[B, T, ...]``.
     """
-    steps = _seq_len(inputs, "static_scan")
-    batch = _batch_size(inputs)
-    is_reset = _check_reset(is_reset, batch, steps, "static_scan")
-    valid = _check_lengths(seq_lengths, batch, steps, "static_scan")
+    steps = sequence_length(inputs, "static_scan")
+    batch = batch_size_of(inputs)
+    is_reset = check_is_reset(is_reset, batch, steps, "static_scan")
+    valid = check_seq_lengths(seq_lengths, batch, steps, "static_scan")
     return _static_scan(step_fn, params, inputs, prev_state, is_reset, is_training, valid)
 
 
 def _static_scan(step_fn, params, inputs, state, is_reset, is_training, valid):
     step = _masked(step_fn)
     outs = []
-    for t in range(_seq_len(inputs, "static_scan")):
+    for t in range(sequence_length(inputs, "static_scan")):
         x_t = jax.tree.map(lambda x, t=t: x[:, t], inputs)
         r_t = None if is_reset is None else is_reset[:, t]
         v_t = None if valid is None else valid[:, t]
@@ -305,8 +315,6 @@ def _moving_leaves(step, leaves, tree, state, xrv, is_training) -> tuple[list[bo
 
 def _varying(x: Any) -> frozenset:
     """The manual mesh axes `x` varies over inside ``jax.shard_map`` (empty elsewhere)."""
-    from blox.parallel._mesh import varying_axes  # lazy: blox.parallel imports blox.core
-
     return varying_axes(x) if hasattr(x, "dtype") else frozenset()
 
 
@@ -351,15 +359,15 @@ def dynamic_scan(
 
     Args and returns: as `static_scan`.
     """
-    steps = _seq_len(inputs, "dynamic_scan")
-    batch = _batch_size(inputs)
-    is_reset = _check_reset(is_reset, batch, steps, "dynamic_scan")
-    valid = _check_lengths(seq_lengths, batch, steps, "dynamic_scan")
+    steps = sequence_length(inputs, "dynamic_scan")
+    batch = batch_size_of(inputs)
+    is_reset = check_is_reset(is_reset, batch, steps, "dynamic_scan")
+    valid = check_seq_lengths(seq_lengths, batch, steps, "dynamic_scan")
     return _dynamic_scan(step_fn, params, inputs, prev_state, is_reset, is_training, valid)
 
 
 def _dynamic_scan(step_fn, params, inputs, prev_state, is_reset, is_training, valid):
-    steps = _seq_len(inputs, "dynamic_scan")
+    steps = sequence_length(inputs, "dynamic_scan")
     if params.is_locked:
         return _lax_scan(step_fn, params, inputs, prev_state, is_reset, is_training, valid)
 
@@ -483,11 +491,11 @@ class RecurrenceBase(SequenceBase):
         """
         where = f"{type(self).__name__} '{self.path_str}'"
         name = type(self).__name__.lower()
-        _check_rank(inputs, self._sequence_rank(), where, f"{name}(params, x_t, state)")
-        steps = _seq_len(inputs, where)
-        batch = _batch_size(inputs)
-        is_reset = _check_reset(is_reset, batch, steps, where)
-        valid = _check_lengths(seq_lengths, batch, steps, where)
+        check_sequence_rank(inputs, self._sequence_rank(), where, f"{name}(params, x_t, state)")
+        steps = sequence_length(inputs, where)
+        batch = batch_size_of(inputs)
+        is_reset = check_is_reset(is_reset, batch, steps, where)
+        valid = check_seq_lengths(seq_lengths, batch, steps, where)
         x0 = jax.tree.map(lambda x: x[:, 0], inputs)
         if prev_state is None:
             prev_state, params = self.initial_state(params, x0)
@@ -504,10 +512,10 @@ class RecurrenceBase(SequenceBase):
 
         The base check rejects the ``(state, params)`` pair of ``initial_state``.
         """
-        if _contains_params(prev_state):
+        if contains_params(prev_state):
             name = type(self).__name__.lower()
             raise TypeError(
-                _STATE_IS_PAIR.format(
+                STATE_IS_PAIR.format(
                     where=f"{type(self).__name__} '{self.path_str}'", name=name, out="y, state"
                 )
             )
@@ -521,7 +529,7 @@ class RecurrenceBase(SequenceBase):
         if is_reset is None:
             return prev_state
         is_reset = jnp.asarray(is_reset)
-        batch = _batch_size(inputs)
+        batch = batch_size_of(inputs)
         if is_reset.shape != (batch,):
             if is_reset.size == batch and all(d == 1 for d in is_reset.shape[1:]):
                 is_reset = is_reset.reshape((batch,))

@@ -170,6 +170,16 @@ def dot_out_sharding(
     return NamedSharding(mesh, PartitionSpec(*batch, _free_col(mesh, k_spec[1], used)))
 
 
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which the (traced) value `x` varies inside
+    ``jax.shard_map`` (its ``check_vma`` type): ``jax.typeof(x).manual_axis_type.varying``.
+
+    Empty outside ``shard_map`` and under ``check_vma=False``; `x` may be an array, a
+    tracer, a ``jax.ShapeDtypeStruct`` or a Python scalar.
+    """
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
 def explicit_mesh(*arrays: jax.Array) -> Any:
     """The (abstract) mesh of the first array whose type carries one, if that mesh has
     Explicit axes; None off a mesh and on Auto meshes."""

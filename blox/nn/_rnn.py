@@ -21,13 +21,13 @@ import jax.numpy as jnp
 
 from blox.core import Graph, Params, Rng, SequenceBase
 from blox.core._sequence import (
-    _STATE_IS_PAIR,
-    _batch_size,
-    _check_lengths,
-    _check_rank,
-    _check_reset,
-    _contains_params,
-    _seq_len,
+    STATE_IS_PAIR,
+    batch_size_of,
+    check_is_reset,
+    check_seq_lengths,
+    check_sequence_rank,
+    contains_params,
+    sequence_length,
 )
 from blox.core._sharding import reshard_like
 from blox.nn._cell import CellBase, StoredWeight
@@ -549,13 +549,13 @@ class Bidirectional(SequenceBase):
         }
         ranks.discard(None)
         if len(ranks) == 1:
-            _check_rank(inputs, ranks.pop(), where, None)
-        steps = _seq_len(inputs, where)
-        batch = _batch_size(inputs)
-        reset = _check_reset(is_reset, batch, steps, where)
-        valid = _check_lengths(seq_lengths, batch, steps, where)
-        if _contains_params(prev_state):
-            raise TypeError(_STATE_IS_PAIR.format(where=where, name="bi", out="y, state"))
+            check_sequence_rank(inputs, ranks.pop(), where, None)
+        steps = sequence_length(inputs, where)
+        batch = batch_size_of(inputs)
+        reset = check_is_reset(is_reset, batch, steps, where)
+        valid = check_seq_lengths(seq_lengths, batch, steps, where)
+        if contains_params(prev_state):
+            raise TypeError(STATE_IS_PAIR.format(where=where, name="bi", out="y, state"))
         if prev_state is None:
             state_f = state_b = None
         elif isinstance(prev_state, tuple) and len(prev_state) == 2:

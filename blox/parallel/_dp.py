@@ -232,9 +232,9 @@ def accumulate_microbatches(
             zero = lambda g: jnp.where(w > 0, g, jnp.zeros((), g.dtype))  # noqa: E731
             values = tuple(
                 g if key in reduced_inside else zero(g)
-                for key, g in zip(grads.keys(), grads._values, strict=True)
+                for key, g in zip(grads.keys(), grads.leaves(), strict=True)
             )
-            grads = Params._make(grads._struct, values)
+            grads = grads.with_leaves(values)
         if w is None:
             terms = (
                 loss / jnp.asarray(k * size, loss.dtype),
@@ -439,9 +439,9 @@ def _like(grads: Params, trainable: Params) -> Params:
     that the optimizer state keeps its dtypes from step to step."""
     values = tuple(
         g if g.dtype == t.dtype else g.astype(t.dtype)
-        for g, t in zip(grads._values, trainable._values, strict=True)
+        for g, t in zip(grads.leaves(), trainable.leaves(), strict=True)
     )
-    return Params._make(grads._struct, values)
+    return grads.with_leaves(values)
 
 
 def _aux_terms(aux: Any, w: jax.Array | None, n: int, reduce_dtype: Any = None) -> Any:
@@ -497,7 +497,7 @@ def _settle_state(rest: Params, names: tuple[str, ...], where: str) -> Params:
                 )
             v = jax.lax.pmean(v, axes if len(axes) > 1 else axes[0])
         values.append(v)
-    return Params._make(rest._struct, tuple(values))
+    return rest.with_leaves(values)
 
 
 def make_dp_train_step(

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from blox.core import Module, Params, Rng
 from blox.core._guards import FSDP_MARK, check_reduce_dtype, reduce_dtype_of
-from blox.core._params import Path, _freeze, _make_info, _Structure, _thaw, format_path
+from blox.core._params import Path, format_path
 from blox.parallel._collectives import check_axis
 from blox.parallel._dp import (
     _aux_finish,
@@ -148,8 +148,37 @@ def fsdp_specs(
     _check_data_axis(mesh, axis, "fsdp_specs")
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"fsdp_specs: min_size must be an int >= 0, got {min_size!r}.")
+    compiled = _compile_fsdp_rules(rules)
+    if base is not None and not isinstance(base, Params):
+        raise TypeError(
+            f"fsdp_specs: base must be the Params returned by param_specs, got "
+            f"{type(base).__name__}."
+        )
+    base_table = None if base is None else base.arrays()
+    trained = set(params.split(predicate)[0].keys())
     sizes = dict(mesh.shape)
-    n = sizes[axis]
+    out = [
+        _fsdp_leaf_spec(
+            key,
+            tuple(getattr(value, "shape", ())),
+            base_table,
+            sizes,
+            axis,
+            compiled if key in trained else None,
+            min_size,
+        )
+        for key, value in zip(params.keys(), params.leaves(), strict=True)
+    ]
+    return params.with_leaves(out)
+
+
+#: A compiled `fsdp_specs` rule: (index, pattern, regex, dim or None).
+_FsdpRule = tuple[int, str, re.Pattern, int | None]
+
+
+def _compile_fsdp_rules(rules: Sequence[tuple[str, int | None]]) -> list[_FsdpRule]:
+    """`fsdp_specs`'s ``(pattern, dim)`` rules checked and compiled (a pattern matches
+    the end of a path, whole names)."""
     compiled = []
     for i, rule in enumerate(rules):
         ok = isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
@@ -164,78 +193,99 @@ def fsdp_specs(
         except re.error as e:
             raise ValueError(f"fsdp_specs: rule {i} pattern {rule[0]!r}: {e}.") from None
         compiled.append((i, rule[0], regex, rule[1]))
-    base_table = None
-    if base is not None:
-        if not isinstance(base, Params):
-            raise TypeError(
-                f"fsdp_specs: base must be the Params returned by param_specs, got "
-                f"{type(base).__name__}."
-            )
-        base_table = base.arrays()
-    trained = set(params.split(predicate)[0].keys())
-    out = []
-    for key, value in zip(params.keys(), params._values, strict=True):
-        path = format_path(key)
-        shape = tuple(getattr(value, "shape", ()))
-        if base_table is None:
-            entries = [None] * len(shape)
-        elif key not in base_table:
-            raise ValueError(
-                f"fsdp_specs: base has no spec for '{path}'. Pass the specs of these params "
-                "(bp.param_specs(params, rules, mesh))."
-            )
-        else:
-            entries = _spec_tuple(base_table[key], len(shape), path)
-        used = [e for e in entries for e in _entry_names(e)]
-        if axis in used:
-            raise ValueError(
-                f"fsdp_specs: base spec {PartitionSpec(*entries)} of '{path}' {shape} already "
-                f"uses the data axis {axis!r}; fsdp_specs adds it. Leave {axis!r} out of the "
-                "base rules."
-            )
+    return compiled
 
-        local = [
-            shape[d] // math.prod(sizes[a] for a in _entry_names(entries[d]))
-            for d in range(len(shape))
-        ]
 
-        hits = [r for r in compiled if r[2].fullmatch(path)]
-        dim = None
-        if key in trained and hits:
-            dims = {r[3] for r in hits}
-            if len(dims) > 1:
-                a, b = hits[0], next(r for r in hits if r[3] != hits[0][3])
-                raise ValueError(
-                    f"fsdp_specs: '{path}' {shape} matches rule {a[0]} ({a[1]!r} -> {a[3]}) and "
-                    f"rule {b[0]} ({b[1]!r} -> {b[3]}). Make the patterns disjoint."
-                )
-            dim = hits[0][3]
-            if dim is not None:
-                if not -len(shape) <= dim < len(shape):
-                    raise ValueError(
-                        f"fsdp_specs: rule {hits[0][0]} ({hits[0][1]!r} -> {dim}) shards "
-                        f"dimension {dim} of '{path}', which has shape {shape}."
-                    )
-                dim %= len(shape)
-                if local[dim] % n:
-                    raise ValueError(
-                        f"fsdp_specs: rule {hits[0][0]} shards dimension {dim} of '{path}' "
-                        f"{shape} (per-device length {local[dim]}) over {axis!r} of size {n}, "
-                        f"which does not divide it. Pick a dimension divisible by {n}, or "
-                        "None to replicate."
-                    )
-        elif key in trained and math.prod(shape) >= min_size and shape:
+def _base_entries(key: Path, shape: tuple, base_table: dict | None, axis: str) -> list:
+    """The `base` spec of one leaf as one entry per dimension (replicated without a
+    `base`), refused when it lacks the leaf or already uses the data axis."""
+    path = format_path(key)
+    if base_table is None:
+        return [None] * len(shape)
+    if key not in base_table:
+        raise ValueError(
+            f"fsdp_specs: base has no spec for '{path}'. Pass the specs of these params "
+            "(bp.param_specs(params, rules, mesh))."
+        )
+    entries = _spec_tuple(base_table[key], len(shape), path)
+    if axis in [e for e in entries for e in _entry_names(e)]:
+        raise ValueError(
+            f"fsdp_specs: base spec {PartitionSpec(*entries)} of '{path}' {shape} already "
+            f"uses the data axis {axis!r}; fsdp_specs adds it. Leave {axis!r} out of the "
+            "base rules."
+        )
+    return entries
+
+
+def _fsdp_leaf_spec(
+    key: Path,
+    shape: tuple,
+    base_table: dict | None,
+    sizes: dict[str, int],
+    axis: str,
+    compiled: list[_FsdpRule] | None,
+    min_size: int,
+) -> PartitionSpec:
+    """One leaf's FSDP spec: its `base` spec with `axis` appended to the chosen dimension
+    (`_fsdp_dim`); `compiled` is None for a leaf that is not trained (kept as `base`)."""
+    entries = _base_entries(key, shape, base_table, axis)
+    local = [
+        shape[d] // math.prod(sizes[a] for a in _entry_names(entries[d])) for d in range(len(shape))
+    ]
+    dim = None
+    if compiled is not None:
+        dim = _fsdp_dim(format_path(key), shape, local, compiled, min_size, sizes[axis], axis)
+    if dim is not None:
+        names = _entry_names(entries[dim]) + (axis,)
+        entries[dim] = names[0] if len(names) == 1 else names
+    if all(e is None for e in entries) and (base_table is None or dim is None):
+        return base_table[key] if base_table is not None else PartitionSpec()
+    return PartitionSpec(*entries)  # one entry per dimension
+
+
+def _fsdp_dim(
+    path: str,
+    shape: tuple,
+    local: list[int],
+    compiled: list[_FsdpRule],
+    min_size: int,
+    n: int,
+    axis: str,
+) -> int | None:
+    """The dimension of a trained leaf to shard over `axis` (size `n`): a matching rule's
+    (checked), else the largest per-device length divisible by `n` when the leaf has at
+    least `min_size` elements, else None (replicated over `axis`)."""
+    hits = [r for r in compiled if r[2].fullmatch(path)]
+    if not hits:
+        if math.prod(shape) >= min_size and shape:
             candidates = [d for d in range(len(shape)) if local[d] % n == 0 and local[d] > 0]
             if candidates:
-                dim = max(candidates, key=lambda d: (local[d], -d))
-        if dim is not None:
-            names = _entry_names(entries[dim]) + (axis,)
-            entries[dim] = names[0] if len(names) == 1 else names
-        if all(e is None for e in entries) and (base_table is None or dim is None):
-            out.append(base_table[key] if base_table is not None else PartitionSpec())
-        else:
-            out.append(PartitionSpec(*entries))  # one entry per dimension
-    return Params._make(params._struct, tuple(out))
+                return max(candidates, key=lambda d: (local[d], -d))
+        return None
+    dims = {r[3] for r in hits}
+    if len(dims) > 1:
+        a, b = hits[0], next(r for r in hits if r[3] != hits[0][3])
+        raise ValueError(
+            f"fsdp_specs: '{path}' {shape} matches rule {a[0]} ({a[1]!r} -> {a[3]}) and "
+            f"rule {b[0]} ({b[1]!r} -> {b[3]}). Make the patterns disjoint."
+        )
+    dim = hits[0][3]
+    if dim is None:
+        return None
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(
+            f"fsdp_specs: rule {hits[0][0]} ({hits[0][1]!r} -> {dim}) shards "
+            f"dimension {dim} of '{path}', which has shape {shape}."
+        )
+    dim %= len(shape)
+    if local[dim] % n:
+        raise ValueError(
+            f"fsdp_specs: rule {hits[0][0]} shards dimension {dim} of '{path}' "
+            f"{shape} (per-device length {local[dim]}) over {axis!r} of size {n}, "
+            f"which does not divide it. Pick a dimension divisible by {n}, or "
+            "None to replicate."
+        )
+    return dim
 
 
 def _sharded_dims(specs: Params, axis: str, where: str) -> dict[Path, int]:
@@ -266,45 +316,35 @@ def _sharded_dims(specs: Params, axis: str, where: str) -> dict[Path, int]:
 # ---------------------------------------------------------------------------
 
 
-def _mark_of(info: tuple) -> tuple[str, int, str | None, str | None] | None:
-    meta = info[1]
-    if not meta:
-        return None
-    for k, v in meta:
-        if k == MARK:
-            axis, dim, *rest = _thaw(v)
-            rest = list(rest) + [None] * (2 - len(rest))
-            return axis, dim, rest[0], rest[1]
-    return None
+def _as_mark(value: Any) -> tuple[str, int, str | None, str | None]:
+    """A leaf's ``metadata[MARK]`` as ``(axis, dim, reduce dtype, stored dtype)`` (the
+    last two None when absent)."""
+    axis, dim, *rest = value
+    rest = list(rest) + [None] * (2 - len(rest))
+    return axis, dim, rest[0], rest[1]
 
 
 def _with_marks(params: Params, marks: dict[Path, tuple]) -> Params:
-    s = params._struct
-    infos = []
-    for key, info in zip(s.keys, s.infos, strict=True):
-        if key in marks:
-            meta = _thaw(info[1]) if info[1] else {}
-            meta[MARK] = marks[key]
-            info = (info[0], _freeze(meta, format_path(key)))
-        infos.append(info)
-    return Params._make(_Structure(s.keys, tuple(infos), s.locked), params._values)
+    """`params` with ``metadata[MARK] = marks[path]`` added to the paths of `marks` that
+    it holds (the other metadata kept)."""
+    updates = {}
+    for key, mark in marks.items():
+        if key in params:
+            meta = params[key].metadata
+            meta[MARK] = mark
+            updates[key] = meta
+    return params.with_metadata(updates)
 
 
 def _without_marks(params: Params, keys: Any = None) -> Params:
     """`params` without the marks (of the paths in `keys`, default all)."""
-    s = params._struct
-    infos = []
-    changed = False
-    for key, info in zip(s.keys, s.infos, strict=True):
-        if (keys is None or key in keys) and _mark_of(info) is not None:
-            meta = _thaw(info[1])
+    updates = {}
+    for key in params.metadata_entries(MARK):
+        if keys is None or key in keys:
+            meta = params[key].metadata
             del meta[MARK]
-            info = _make_info(info[0], meta, format_path(key))
-            changed = True
-        infos.append(info)
-    if not changed:
-        return params
-    return Params._make(_Structure(s.keys, tuple(infos), s.locked), params._values)
+            updates[key] = meta
+    return params.with_metadata(updates)
 
 
 # ---------------------------------------------------------------------------
@@ -392,142 +432,177 @@ def fsdp_call(
     prefix = _prefix(fn, under)
     if not isinstance(params, Params):
         raise TypeError(f"fsdp_call: params must be bx.Params, got {type(params).__name__}.")
-    s = params._struct
-    n = len(prefix)
-    idx = [
-        i
-        for i, (k, info) in enumerate(zip(s.keys, s.infos, strict=True))
-        if k[:n] == prefix and _mark_of(info) is not None
-    ]
-    if not idx:
+    marked = _marks_under(params, prefix)
+    if not marked:
         return fn(params, *args, **kwargs)
-    marks = [_mark_of(s.infos[i]) for i in idx]
-    for i, (axis, *_) in zip(idx, marks, strict=True):
-        check_axis(axis, f"fsdp_call (gathering '{format_path(s.keys[i])}')")
-    marked = {s.keys[i]: m for i, m in zip(idx, marks, strict=True)}
-    plain = _without_marks(params, marked)  # the other layers' shards keep their marks
     flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
     traced = [i for i, x in enumerate(flat) if _is_array(x)]
-    # The paths `fn` returns untouched (the very array it got), found when `call` is
-    # traced: they leave as the caller's arrays, not as outputs of the custom_vjp, so a
-    # state leaf that only passes through (an Rng counter) stays the same object.
-    untouched: list[frozenset] = []
-
-    def call(full, values, dyn):
-        """`fn` on the full weights; its params come back without the full weights."""
-        leaves = list(flat)
-        for i, x in zip(traced, dyn, strict=True):
-            leaves[i] = x
-        a, kw = jax.tree_util.tree_unflatten(treedef, leaves)
-        vals = list(values)
-        for i, x in zip(idx, full, strict=True):
-            vals[i] = x
-        out, new = fn(Params._make(plain._struct, tuple(vals)), *a, **kw)
-        if not isinstance(new, Params):
-            raise TypeError(
-                f"fsdp_call: {getattr(fn, '__name__', fn)!r} must return (out, params); got a "
-                f"second element of type {type(new).__name__}."
-            )
-        where = new._struct.index
-        new_vals = list(new._values)
-        for i in idx:
-            j = where.get(s.keys[i])
-            if j is not None:
-                new_vals[j] = None  # the shard goes back in below
-        if not untouched:
-            untouched.append(
-                frozenset(
-                    key
-                    for key, j in where.items()
-                    if (i := s.index.get(key)) is not None
-                    and vals[i] is not None
-                    and new._values[j] is vals[i]
-                )
-            )
-        return out, Params._make(new._struct, tuple(new_vals))
-
-    def gather(shards, after):
-        # A zero-valued dependency on `after` (the layer's inputs in the forward, the
-        # incoming cotangent in the backward) makes the gather run when the step reaches
-        # this layer: XLA can neither hoist it (all layers' full weights alive at once)
-        # nor merge the backward's gather with the forward's (the CPU pipeline drops
-        # optimization barriers before common-subexpression elimination).
-        leaves = [c for c in jax.tree.leaves(after) if jnp.issubdtype(c.dtype, jnp.inexact)]
-        if leaves:
-            first = jnp.real(leaves[0].ravel()[0]).astype(jnp.float32)
-            dep = jnp.minimum(jnp.abs(first), jnp.zeros((), jnp.float32))  # 0 (NaN stays)
-            shards = tuple(x + dep.astype(x.dtype) for x in shards)
-        # A shard held in the reduce dtype is gathered (and used) in its stored dtype.
-        return tuple(
-            jax.lax.all_gather(x if use is None else x.astype(use), axis, axis=dim, tiled=True)
-            for x, (axis, dim, _, use) in zip(shards, marks, strict=True)
-        )
-
-    def scatter(grads, shards):
-        # The sum over the data axis runs in the step's reduce dtype (f32 for bf16
-        # gradients); the cotangent of a shard has the shard's dtype: the reduce dtype
-        # when the step holds the shard in it (then no rounding), else the stored one.
-        out = []
-        for g, x, (axis, dim, rd, _) in zip(grads, shards, marks, strict=True):
-            r = reduce_dtype_of(g.dtype, rd)
-            y = jax.lax.psum_scatter(g.astype(r), axis, scatter_dimension=dim, tiled=True)
-            out.append(y.astype(x.dtype))
-        return tuple(out)
-
-    if remat:
-
-        @jax.custom_vjp
-        def run(shards, values, dyn, after):
-            return call(gather(shards, after or dyn), values, dyn)
-
-        def run_fwd(shards, values, dyn, after):
-            # Residuals: the shards and the inputs only; the full weights die here.
-            out = call(gather(shards, after or dyn), values, dyn)
-            return out, (shards, values, dyn, after)
-
-        def run_bwd(res, ct):
-            shards, values, dyn, after = res
-            _, vjp = jax.vjp(call, gather(shards, ct[0]), values, dyn)
-            g_full, g_values, g_dyn = vjp(ct)
-            return scatter(g_full, shards), g_values, g_dyn, [jnp.zeros_like(a) for a in after]
-
-        run.defvjp(run_fwd, run_bwd)
-    else:
-
-        @jax.custom_vjp
-        def run(shards, values, dyn, after):
-            return call(gather(shards, after or dyn), values, dyn)
-
-        def run_fwd(shards, values, dyn, after):
-            # Residuals: the layer's own (full weights included), as autodiff keeps them.
-            out, vjp = jax.vjp(call, gather(shards, after or dyn), values, dyn)
-            return out, (vjp, shards, after)
-
-        def run_bwd(res, ct):
-            vjp, shards, after = res
-            g_full, g_values, g_dyn = vjp(ct)
-            return scatter(g_full, shards), g_values, g_dyn, [jnp.zeros_like(a) for a in after]
-
-        run.defvjp(run_fwd, run_bwd)
-
-    shards = tuple(params._values[i] for i in idx)
-    others = tuple(None if i in idx else v for i, v in enumerate(params._values))
+    # The other layers' shards keep their marks.
+    call = _LayerCall(fn, _without_marks(params, marked), marked, flat, treedef, traced)
+    run = _gather_call_scatter(call, tuple(marked.values()), remat)
+    values = params.leaves()
+    shards = tuple(values[i] for i in call.positions)
+    gathered = set(call.positions)
+    others = tuple(None if i in gathered else v for i, v in enumerate(values))
     after = [
         a
         for a in jax.tree.leaves(gather_after)
         if _is_array(a) and jnp.issubdtype(jnp.result_type(a), jnp.inexact)
     ]
     out, new = run(shards, others, [flat[i] for i in traced], after)
-    where = new._struct.index
-    new_vals = list(new._values)
-    for i, x in zip(idx, shards, strict=True):
-        j = where.get(s.keys[i])
+    return out, _put_back(params, new, marked, shards, call.untouched)
+
+
+def _marks_under(params: Params, prefix: Path) -> dict[Path, tuple]:
+    """``{path: mark}`` of the marked leaves (local shards) whose path starts with
+    `prefix`, in path order; each mark's axis must be bound here."""
+    n = len(prefix)
+    marked = {
+        key: _as_mark(value)
+        for key, value in params.metadata_entries(MARK).items()
+        if key[:n] == prefix
+    }
+    for key, (axis, *_) in marked.items():
+        check_axis(axis, f"fsdp_call (gathering '{format_path(key)}')")
+    return marked
+
+
+class _LayerCall:
+    """``call(full, values, dyn)``: the function `fsdp_call` differentiates. It runs `fn`
+    on params holding the gathered weights `full` (at `positions`, the marked paths) and
+    the other values `values`, with the traced call arguments `dyn` put back among the
+    static ones, and returns `fn`'s output and params without the full weights (``None``
+    where each was; `_put_back` puts the shards there).
+
+    `untouched` (set when first traced): the paths `fn` returns untouched (the very
+    array it got); they leave as the caller's arrays, not as outputs of the
+    ``custom_vjp``, so a state leaf that only passes through (an Rng counter) stays the
+    same object.
+    """
+
+    def __init__(self, fn, plain: Params, marked: dict, flat: list, treedef, traced: list):
+        self.fn, self.plain, self.marked = fn, plain, marked
+        self.flat, self.treedef, self.traced = flat, treedef, traced
+        self.index = {key: i for i, key in enumerate(plain.keys())}
+        self.positions = [self.index[key] for key in marked]
+        self.untouched: frozenset | None = None
+
+    def __call__(self, full: tuple, values: tuple, dyn: list) -> tuple[Any, Params]:
+        leaves = list(self.flat)
+        for i, x in zip(self.traced, dyn, strict=True):
+            leaves[i] = x
+        a, kw = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        vals = list(values)
+        for i, x in zip(self.positions, full, strict=True):
+            vals[i] = x
+        out, new = self.fn(self.plain.with_leaves(vals), *a, **kw)
+        if not isinstance(new, Params):
+            raise TypeError(
+                f"fsdp_call: {getattr(self.fn, '__name__', self.fn)!r} must return (out, "
+                f"params); got a second element of type {type(new).__name__}."
+            )
+        returned = new.leaves()
+        where = {key: j for j, key in enumerate(new.keys())}
+        new_vals = list(returned)
+        for key in self.marked:
+            j = where.get(key)
+            if j is not None:
+                new_vals[j] = None  # the shard goes back in below
+        if self.untouched is None:
+            self.untouched = frozenset(
+                key
+                for key, j in where.items()
+                if (i := self.index.get(key)) is not None
+                and vals[i] is not None
+                and returned[j] is vals[i]
+            )
+        return out, new.with_leaves(new_vals)
+
+
+def _gather(shards: tuple, marks: tuple, after: Any) -> tuple:
+    """The full weights: each shard all-gathered over its mark's axis, after `after`.
+
+    A zero-valued dependency on `after` (the layer's inputs in the forward, the incoming
+    cotangent in the backward) makes the gather run when the step reaches this layer:
+    XLA can neither hoist it (all layers' full weights alive at once) nor merge the
+    backward's gather with the forward's (the CPU pipeline drops optimization barriers
+    before common-subexpression elimination). A shard held in the reduce dtype is
+    gathered (and used) in its stored dtype.
+    """
+    leaves = [c for c in jax.tree.leaves(after) if jnp.issubdtype(c.dtype, jnp.inexact)]
+    if leaves:
+        first = jnp.real(leaves[0].ravel()[0]).astype(jnp.float32)
+        dep = jnp.minimum(jnp.abs(first), jnp.zeros((), jnp.float32))  # 0 (NaN stays)
+        shards = tuple(x + dep.astype(x.dtype) for x in shards)
+    return tuple(
+        jax.lax.all_gather(x if use is None else x.astype(use), axis, axis=dim, tiled=True)
+        for x, (axis, dim, _, use) in zip(shards, marks, strict=True)
+    )
+
+
+def _scatter(grads: tuple, shards: tuple, marks: tuple) -> tuple:
+    """The full weights' gradients reduce-scattered back to shards (the transpose of
+    `_gather`).
+
+    The sum over the data axis runs in the step's reduce dtype (f32 for bf16
+    gradients); the cotangent of a shard has the shard's dtype: the reduce dtype when
+    the step holds the shard in it (then no rounding), else the stored one.
+    """
+    out = []
+    for g, x, (axis, dim, rd, _) in zip(grads, shards, marks, strict=True):
+        r = reduce_dtype_of(g.dtype, rd)
+        y = jax.lax.psum_scatter(g.astype(r), axis, scatter_dimension=dim, tiled=True)
+        out.append(y.astype(x.dtype))
+    return tuple(out)
+
+
+def _gather_call_scatter(call: _LayerCall, marks: tuple, remat: bool) -> Callable:
+    """``run(shards, values, dyn, after)``: `call` on the gathered shards, a
+    ``custom_vjp`` whose backward reduce-scatters the weights' gradients. With `remat`
+    only the shards and the inputs are kept for the backward (which gathers again and
+    recomputes the layer); without, the layer's own residuals (full weights included)."""
+
+    @jax.custom_vjp
+    def run(shards, values, dyn, after):
+        return call(_gather(shards, marks, after or dyn), values, dyn)
+
+    def run_fwd(shards, values, dyn, after):
+        full = _gather(shards, marks, after or dyn)
+        if remat:  # residuals: the shards and the inputs only; the full weights die here
+            return call(full, values, dyn), (shards, values, dyn, after)
+        out, vjp = jax.vjp(call, full, values, dyn)  # the layer's own residuals
+        return out, (vjp, shards, after)
+
+    def run_bwd(res, ct):
+        if remat:
+            shards, values, dyn, after = res
+            _, vjp = jax.vjp(call, _gather(shards, marks, ct[0]), values, dyn)
+        else:
+            vjp, shards, after = res
+        g_full, g_values, g_dyn = vjp(ct)
+        zeros = [jnp.zeros_like(a) for a in after]
+        return _scatter(g_full, shards, marks), g_values, g_dyn, zeros
+
+    run.defvjp(run_fwd, run_bwd)
+    return run
+
+
+def _put_back(
+    params: Params, new: Params, marked: dict, shards: tuple, untouched: frozenset | None
+) -> Params:
+    """The params `fsdp_call` returns: `new` (from `_LayerCall`) with the shards back at
+    the marked paths, marked again, and the untouched paths holding the caller's arrays."""
+    where = {key: j for j, key in enumerate(new.keys())}
+    new_vals = list(new.leaves())
+    for key, x in zip(marked, shards, strict=True):
+        j = where.get(key)
         if j is not None:
             new_vals[j] = x
-    for key in untouched[0] if untouched else ():
-        new_vals[where[key]] = params._values[s.index[key]]
-    new = Params._make(new._struct, tuple(new_vals))
-    return out, _with_marks(new, {k: marked[k] for k in new.keys() if k in marked})
+    old = params.arrays()
+    for key in untouched or ():
+        new_vals[where[key]] = old[key]
+    new = new.with_leaves(new_vals)
+    return _with_marks(new, {k: marked[k] for k in new.keys() if k in marked})
 
 
 # ---------------------------------------------------------------------------
@@ -640,6 +715,45 @@ def _fsdp_value_and_grad(
     where: str,
 ) -> Callable[..., Any]:
     """`fsdp_value_and_grad`, naming `where` (the public entry point) in its messages."""
+    _check_fsdp_options(microbatches, gather, specs, axis, where)
+    dims_all = _sharded_dims(specs, axis, where)
+    rngs = _check_rngs(rngs, where)
+    reduce_dtype = check_reduce_dtype(reduce_dtype, where)
+
+    def f(params: Params, *batch: Any):
+        (name,) = check_axis(axis, where)
+        _check_step_params(params, specs, where)
+        params, seeds = fold_seeds(params, rngs, (name,))
+        trainable, rest = params.split(predicate)
+        dims = {key: d for key, d in dims_all.items() if key in trainable}
+        sums, rest = accumulate_microbatches(
+            loss_fn,
+            _step_trainable(trainable, dims, name, gather, reduce_dtype),
+            rest,
+            batch,
+            k=microbatches,
+            size=jax.lax.axis_size(name),
+            names=(name,),
+            has_aux=has_aux,
+            predicate=predicate,
+            where=where,
+            clean_state=_without_marks,
+            clean_grads=lambda g: trainable.with_leaves(g.leaves()),
+            reduced_inside=frozenset(dims) if gather == "per_layer" else frozenset(),
+            rngs=rngs,
+            reduce_dtype=reduce_dtype,
+        )
+        grads, loss, aux = _sum_over_shards(sums, dims, name, gather)
+        grads = _like(grads, trainable)
+        rest = restore_seeds(rest, seeds)
+        rest = _settle_state(rest, (name,), where)
+        return ((loss, aux) if has_aux else loss), grads, trainable.merge(rest)
+
+    return f
+
+
+def _check_fsdp_options(microbatches: Any, gather: Any, specs: Any, axis: Any, where: str) -> None:
+    """Refuses a bad `microbatches`, `gather`, `specs` or `axis`, naming `where`."""
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"{where}: microbatches must be an int >= 1, got {microbatches!r}.")
     if gather not in _GATHER_MODES:
@@ -655,97 +769,89 @@ def _fsdp_value_and_grad(
         )
     if not isinstance(axis, str):
         raise TypeError(f"{where}: axis must be one mesh-axis name, got {axis!r}.")
-    dims_all = _sharded_dims(specs, axis, where)
-    rngs = _check_rngs(rngs, where)
-    reduce_dtype = check_reduce_dtype(reduce_dtype, where)
-    rd_name = None if reduce_dtype is None else str(reduce_dtype)
 
-    def f(params: Params, *batch: Any):
-        (name,) = check_axis(axis, where)
-        if not isinstance(params, Params):
-            raise TypeError(
-                f"{where}: the first argument must be bx.Params, got {type(params).__name__}."
-            )
-        missing = [format_path(k) for k in params.keys() if k not in specs]
-        if missing:
-            raise ValueError(
-                f"{where}: specs have no entry for {missing[:5]}. Build them from these "
-                "params: bp.fsdp_specs(jax.eval_shape(init), mesh)."
-            )
-        k = microbatches
-        size = jax.lax.axis_size(name)
-        params, seeds = fold_seeds(params, rngs, (name,))
-        trainable, rest = params.split(predicate)
-        dims = {key: d for key, d in dims_all.items() if key in trainable}
-        if gather == "per_step":
-            values = tuple(
-                jax.lax.all_gather(v, name, axis=dims[key], tiled=True) if key in dims else v
-                for key, v in zip(trainable.keys(), trainable._values, strict=True)
-            )
-            trainable_v = _to_varying(Params._make(trainable._struct, values), (name,))
-        else:
-            # Each shard is held in the reduce dtype (f32 for bf16 weights) while the loss
-            # runs: fsdp_call gathers and uses it in its stored dtype, and the cotangent of
-            # the f32 shard carries the f32 reduce-scatter without rounding it.
-            stored = {key: trainable._values[trainable._struct.index[key]].dtype for key in dims}
-            held = {key: reduce_dtype_of(dt, reduce_dtype) for key, dt in stored.items()}
-            values = tuple(
-                v.astype(held[key]) if key in dims and held[key] != v.dtype else v
-                for key, v in zip(trainable.keys(), trainable._values, strict=True)
-            )
-            trainable_v = _with_marks(
-                _to_varying(Params._make(trainable._struct, values), (name,)),
-                {
-                    key: (name, d, rd_name, None if held[key] == stored[key] else str(stored[key]))
-                    for key, d in dims.items()
-                },
-            )
 
-        sums, rest = accumulate_microbatches(
-            loss_fn,
-            trainable_v,
-            rest,
-            batch,
-            k=k,
-            size=size,
-            names=(name,),
-            has_aux=has_aux,
-            predicate=predicate,
-            where=where,
-            clean_state=_without_marks,
-            clean_grads=lambda g: Params._make(trainable._struct, g._values),
-            reduced_inside=frozenset(dims) if gather == "per_layer" else frozenset(),
-            rngs=rngs,
-            reduce_dtype=reduce_dtype,
+def _check_step_params(params: Any, specs: Params, where: str) -> None:
+    """The step's params must be `Params` with a spec for every path."""
+    if not isinstance(params, Params):
+        raise TypeError(
+            f"{where}: the first argument must be bx.Params, got {type(params).__name__}."
         )
-        grads, (loss, aux), w = sums
-        keys = grads.keys()
-        reduced = [g for key, g in zip(keys, grads._values, strict=True) if key not in dims]
-        # One all-reduce: the replicated leaves' gradients, the loss, metrics and weight.
-        reduced, loss, aux, w = jax.lax.psum((reduced, loss, aux, w), name)
-        it = iter(reduced)
-        values = []
-        for key, g in zip(keys, grads._values, strict=True):
-            if key not in dims:
-                values.append(next(it))
-            elif gather == "per_step":  # the one reduce-scatter of this leaf per step
-                values.append(
-                    jax.lax.psum_scatter(g, name, scatter_dimension=dims[key], tiled=True)
-                )
-            else:  # already reduce-scattered by the transpose of fsdp_call's gather
-                values.append(g)
-        grads = Params._make(grads._struct, tuple(values))
-        if w is not None:
-            denom = jnp.where(w > 0, w, jnp.ones((), w.dtype))
-            grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
-            loss = loss / denom.astype(loss.dtype)
-            aux = _aux_finish(aux, denom, w)
-        grads = _like(grads, trainable)
-        rest = restore_seeds(rest, seeds)
-        rest = _settle_state(rest, (name,), where)
-        return ((loss, aux) if has_aux else loss), grads, trainable.merge(rest)
+    missing = [format_path(k) for k in params.keys() if k not in specs]
+    if missing:
+        raise ValueError(
+            f"{where}: specs have no entry for {missing[:5]}. Build them from these "
+            "params: bp.fsdp_specs(jax.eval_shape(init), mesh)."
+        )
 
-    return f
+
+def _step_trainable(
+    trainable: Params, dims: dict[Path, int], name: str, gather: str, reduce_dtype: Any
+) -> Params:
+    """The trainable params the loss function receives, varying over the data axis.
+
+    ``'per_step'``: every sharded leaf (`dims`: path -> sharded dimension) all-gathered
+    once. ``'per_layer'``: the local shards, marked for `fsdp_call`, each held in the
+    reduce dtype (f32 for bf16 weights) while the loss runs: `fsdp_call` gathers and
+    uses it in its stored dtype, and the cotangent of the f32 shard carries the f32
+    reduce-scatter without rounding it.
+    """
+    keys, values = trainable.keys(), trainable.leaves()
+    if gather == "per_step":
+        values = tuple(
+            jax.lax.all_gather(v, name, axis=dims[key], tiled=True) if key in dims else v
+            for key, v in zip(keys, values, strict=True)
+        )
+        return _to_varying(trainable.with_leaves(values), (name,))
+    arrays = trainable.arrays()
+    stored = {key: arrays[key].dtype for key in dims}
+    held = {key: reduce_dtype_of(dt, reduce_dtype) for key, dt in stored.items()}
+    values = tuple(
+        v.astype(held[key]) if key in dims and held[key] != v.dtype else v
+        for key, v in zip(keys, values, strict=True)
+    )
+    rd_name = None if reduce_dtype is None else str(reduce_dtype)
+    return _with_marks(
+        _to_varying(trainable.with_leaves(values), (name,)),
+        {
+            key: (name, d, rd_name, None if held[key] == stored[key] else str(stored[key]))
+            for key, d in dims.items()
+        },
+    )
+
+
+def _sum_over_shards(
+    sums: tuple, dims: dict[Path, int], name: str, gather: str
+) -> tuple[Params, Any, Any]:
+    """``(grads, loss, aux)`` summed over the data axis `name` from this device's
+    microbatch sums ``(grads, (loss, aux), weight)``, divided by the total weight when
+    there is one (else the sums are already means).
+
+    One all-reduce carries the replicated leaves' gradients, the loss, the metrics and
+    the weight. A sharded leaf (`dims`) is reduce-scattered once here with
+    ``'per_step'``; with ``'per_layer'`` the transpose of `fsdp_call`'s gather already
+    did it.
+    """
+    grads, (loss, aux), w = sums
+    keys = grads.keys()
+    reduced = [g for key, g in zip(keys, grads.leaves(), strict=True) if key not in dims]
+    reduced, loss, aux, w = jax.lax.psum((reduced, loss, aux, w), name)
+    it = iter(reduced)
+    values = []
+    for key, g in zip(keys, grads.leaves(), strict=True):
+        if key not in dims:
+            values.append(next(it))
+        elif gather == "per_step":  # the one reduce-scatter of this leaf per step
+            values.append(jax.lax.psum_scatter(g, name, scatter_dimension=dims[key], tiled=True))
+        else:  # already reduce-scattered by the transpose of fsdp_call's gather
+            values.append(g)
+    grads = grads.with_leaves(values)
+    if w is not None:
+        denom = jnp.where(w > 0, w, jnp.ones((), w.dtype))
+        grads = jax.tree.map(lambda g: g / denom.astype(g.dtype), grads)
+        loss = loss / denom.astype(loss.dtype)
+        aux = _aux_finish(aux, denom, w)
+    return grads, loss, aux
 
 
 # ---------------------------------------------------------------------------

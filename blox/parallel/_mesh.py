@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from blox.core._guards import stale_mesh
+from blox.core._sharding import varying_axes as varying_axes  # defined in core (scans use it)
 
 __all__ = ["bound_axes", "describe_mesh", "make_mesh", "place"]
 
@@ -207,18 +208,6 @@ def _vmap_axis_names() -> tuple[str, ...]:
 # ---------------------------------------------------------------------------
 # Internal helpers shared by the other modules
 # ---------------------------------------------------------------------------
-
-
-def varying_axes(x: Any) -> frozenset:
-    """The manual axes over which the (traced) value `x` varies (``check_vma`` types)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        mat = getattr(x, "manual_axis_type", None)
-        return frozenset(getattr(mat, "varying", ()) if mat is not None else ())
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(getattr(mat, "varying", ()))
-    return frozenset(getattr(aval, "vma", ()))
 
 
 def check_vma_enabled() -> bool:

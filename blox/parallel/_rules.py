@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from blox.core import Params
-from blox.core._params import _thaw, format_path
+from blox.core._params import format_path
 
 __all__ = [
     "opt_state_shardings",
@@ -229,18 +229,18 @@ def _resolve(
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     compiled = _compile_rules(rules)
-    s = params._struct
     rows: list[_Row] = []
     unmatched: list[str] = []
     won: set[int] = set()
     taken: dict[int, list[tuple[str, int]]] = {}  # rule -> (path, winning rule) it lost
     paths = []
-    for key, value, info in zip(s.keys, params._values, s.infos, strict=True):
+    for key, param in params.items():
+        value = param.value
         path = format_path(key)
         paths.append(path)
         shape = tuple(getattr(value, "shape", ()))
         hits = [r for r in compiled if r.regex.fullmatch(path)]
-        meta = tuple(_thaw(info[1]).get("sharding", ()) or ())
+        meta = param.sharding
         if hits:
             first = hits[0]  # first match wins: later matching rules are not consulted
             won.add(first.index)
@@ -345,7 +345,7 @@ def param_specs(
     P()
     """
     rows = _resolve(params, rules, mesh, replicate_rest, allow_unused)
-    return Params._make(params._struct, tuple(r.spec for r in rows))
+    return params.with_leaves([r.spec for r in rows])
 
 
 def param_shardings(
@@ -476,11 +476,11 @@ def opt_state_specs(opt_state: Any, specs: Params, mesh: Mesh | None = None) -> 
                     "the state was built from."
                 )
             out = []
-            for k, v in zip(x.keys(), x._values, strict=True):
+            for k, v in zip(x.keys(), x.leaves(), strict=True):
                 spec = table[k]
                 shape = tuple(getattr(v, "shape", ()))
                 out.append(spec if _fits(spec, shape, sizes) else PartitionSpec())
-            return Params._make(x._struct, tuple(out))
+            return x.with_leaves(out)
         shape = tuple(getattr(x, "shape", ()))
         if shape:
             raise ValueError(
@@ -544,7 +544,7 @@ def sharding_table(
     """
     rows = _resolve(params, rules, mesh, replicate_rest, allow_unused)
     sizes = dict(mesh.shape)
-    values = dict(zip(params.keys(), params._values, strict=True))
+    values = params.arrays()
     lines = []
     per_device_bytes = 0
     for r, key in zip(rows, params.keys(), strict=True):

@@ -1,0 +1,327 @@
+"""House rules of the blox source tree, checked on its syntax (no import of blox):
+
+1. No module outside ``blox/core`` imports a private name of ``blox.core`` or reads a
+   private attribute of a core object (`Params` storage, its private constructors and
+   helpers, a core module's private methods): packages use the public API
+   (``Params.leaves``/``with_leaves``/``from_items``/``metadata_entries``/
+   ``with_metadata``, ``params[path].metadata``, ...).
+2. No file of ``blox/core`` imports ``blox.parallel`` (not even lazily inside a
+   function): the core stands alone, and ``blox.parallel`` builds on it.
+3. No ``getattr``/``hasattr`` on the strings ``"vma"``/``"varying"``: varying manual axes
+   are read from the public type, ``jax.typeof(x).manual_axis_type.varying``
+   (``blox.core._sharding.varying_axes``).
+4. No function body over 80 lines (nested functions count toward their parent), except
+   the ones listed in `ALLOWED_LONG`, which only shrinks.
+
+Each checker takes the repository root, so the tests also run it on a planted violation
+in a temporary tree and see it found.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Private attributes of core objects that code outside blox/core must not read (a
+# pragmatic list: the storage and private constructors of Params, its metadata
+# helpers, a Module's private parameter reader). NamedTuple's `_replace`/`_fields`/
+# `_asdict`/`_make` on namedtuples and `os._exit` are other things and are not listed
+# (`_make` is flagged only as `Params._make`).
+PRIVATE_ATTRS = {
+    "_struct",
+    "_values",
+    "_from_items",
+    "_get_value",
+    "_thaw",
+    "_freeze",
+    "_make_info",
+    "_set",
+    "_info",
+    "_param",
+}
+
+# Files that still read "vma"/"varying" with getattr; each should switch to
+# blox.core._sharding.varying_axes (the public jax.typeof(x).manual_axis_type.varying).
+ALLOWED_VMA_GETATTR: set[str] = {"blox/parallel/_pipeline.py"}
+
+# Functions over 80 lines today, (file, qualified name) -> lines when listed. Shrink this
+# as they are split into named steps; a function not listed here fails the test.
+ALLOWED_LONG: dict[tuple[str, str], int] = {
+    ("blox/data/_pipeline.py", "pipeline"): 100,
+    ("blox/distributed/_init.py", "initialize"): 100,
+    ("blox/distributed/_launch.py", "launch"): 100,
+    ("blox/nn/_attention.py", "MultiHeadAttention.__call__"): 83,
+    ("blox/parallel/_pipeline.py", "_pipeline_body"): 116,
+    ("blox/parallel/_schedules.py", "Schedule._validate"): 83,
+    ("blox/ts/_recipes.py", "fit_sysid"): 98,
+}
+
+MAX_LINES = 80
+
+
+def _sources(root: pathlib.Path, under: str = "blox"):
+    """``(relative posix path, parsed module)`` of every ``.py`` file under `under`."""
+    for path in sorted((root / under).rglob("*.py")):
+        yield path.relative_to(root).as_posix(), ast.parse(path.read_text(), str(path))
+
+
+def _in_core(rel: str) -> bool:
+    return rel.startswith("blox/core/")
+
+
+def private_core_uses(root: pathlib.Path) -> list[tuple[str, int, str]]:
+    """``(file, line, what)`` for every private ``blox.core`` name imported, and every
+    private core attribute (`PRIVATE_ATTRS`, ``Params._make``) read, outside
+    ``blox/core``; ``self``/``cls`` attributes are a class's own business."""
+    found = []
+    for rel, tree in _sources(root):
+        if _in_core(rel):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("blox.core"):
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        found.append((rel, node.lineno, f"from {node.module} import {alias.name}"))
+            elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Store):
+                owner = node.value.id if isinstance(node.value, ast.Name) else None
+                if owner in ("self", "cls"):
+                    continue
+                if node.attr in PRIVATE_ATTRS or (node.attr == "_make" and owner == "Params"):
+                    found.append((rel, node.lineno, ast.unparse(node)))
+    return found
+
+
+def core_imports_of_parallel(root: pathlib.Path) -> list[tuple[str, int, str]]:
+    """``(file, line, import)`` for every import of ``blox.parallel`` in ``blox/core``,
+    at module scope or inside a function."""
+    found = []
+    for rel, tree in _sources(root):
+        if not _in_core(rel):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            if any(n == "blox.parallel" or n.startswith("blox.parallel.") for n in names):
+                found.append((rel, node.lineno, ast.unparse(node)))
+    return found
+
+
+def vma_getattrs(root: pathlib.Path) -> list[tuple[str, int, str]]:
+    """``(file, line, call)`` for every ``getattr``/``hasattr`` on ``"vma"`` or
+    ``"varying"`` under ``blox/``."""
+    found = []
+    for rel, tree in _sources(root):
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in ("vma", "varying")
+            ):
+                found.append((rel, node.lineno, ast.unparse(node)))
+    return found
+
+
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines from the first statement after the docstring to the end of the function
+    (nested functions and classes included)."""
+    body = fn.body
+    first = body[0]
+    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    if is_doc and isinstance(first.value.value, str):
+        start = body[1].lineno if len(body) > 1 else first.end_lineno
+    else:
+        start = first.lineno
+    return fn.end_lineno - start + 1
+
+
+def long_functions(root: pathlib.Path, limit: int = MAX_LINES) -> list[tuple[str, str, int]]:
+    """``(file, qualified name, lines)`` of every function under ``blox/`` whose body
+    (`_body_lines`) is longer than `limit` lines. A nested function is also reported on
+    its own (``outer.inner``), as a method is (``Class.method``)."""
+    found = []
+
+    def visit(node: ast.AST, prefix: str, rel: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = prefix + child.name
+                n = _body_lines(child)
+                if n > limit:
+                    found.append((rel, name, n))
+                visit(child, name + ".", rel)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, prefix + child.name + ".", rel)
+            else:
+                visit(child, prefix, rel)
+
+    for rel, tree in _sources(root):
+        visit(tree, "", rel)
+    return found
+
+
+# ---------------------------------------------------------------------------
+# The rules, on this tree
+# ---------------------------------------------------------------------------
+
+
+def _lines(found) -> str:
+    return "\n".join(f"  {rel}:{line}: {what}" for rel, line, what in found)
+
+
+def test_no_private_core_api_outside_core():
+    found = private_core_uses(ROOT)
+    assert not found, (
+        "private blox.core names or attributes used outside blox/core (use the public "
+        "Params/Module API, or add a public method to the core):\n" + _lines(found)
+    )
+
+
+def test_core_never_imports_parallel():
+    found = core_imports_of_parallel(ROOT)
+    assert not found, "blox/core imports blox.parallel:\n" + _lines(found)
+
+
+def test_varying_axes_read_from_the_public_type():
+    found = [f for f in vma_getattrs(ROOT) if f[0] not in ALLOWED_VMA_GETATTR]
+    assert not found, (
+        "getattr on 'vma'/'varying': use jax.typeof(x).manual_axis_type.varying "
+        "(blox.core._sharding.varying_axes):\n" + _lines(found)
+    )
+
+
+def test_no_function_over_80_lines():
+    found = [f for f in long_functions(ROOT) if (f[0], f[1]) not in ALLOWED_LONG]
+    assert not found, (
+        f"functions over {MAX_LINES} lines (split them into named steps):\n"
+        + "\n".join(f"  {rel}: {name} ({n} lines)" for rel, name, n in found)
+    )
+
+
+# ---------------------------------------------------------------------------
+# Each checker finds a planted violation
+# ---------------------------------------------------------------------------
+
+
+def _plant(root: pathlib.Path, rel: str, source: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(source))
+
+
+def test_private_core_uses_finds_planted_violations(tmp_path):
+    _plant(
+        tmp_path,
+        "blox/nn/_bad.py",
+        """
+        from blox.core import Params
+        from blox.core._params import _thaw, format_path
+        from blox.core._sequence import sequence_length
+
+        def f(params, layer, self):
+            a = params._struct.keys
+            b = Params._make(params._struct, params._values)
+            c = layer._param(params, "kernel", (2,), None, 1)
+            d = self._param  # a class's own attribute: allowed
+            e = params.leaves()
+            return point._replace(x=1), os._exit
+        """,
+    )
+    # The same reads inside blox/core are the container's own business.
+    _plant(tmp_path, "blox/core/_ok.py", "def g(p):\n    return p._struct, p._values\n")
+    found = sorted((line, what) for _, line, what in private_core_uses(tmp_path))
+    assert found == [
+        (3, "from blox.core._params import _thaw"),
+        (7, "params._struct"),
+        (8, "Params._make"),
+        (8, "params._struct"),
+        (8, "params._values"),
+        (9, "layer._param"),
+    ]
+
+
+def test_core_imports_of_parallel_finds_planted_violations(tmp_path):
+    _plant(
+        tmp_path,
+        "blox/core/_bad.py",
+        """
+        import jax
+
+        def varying(x):
+            from blox.parallel._mesh import varying_axes  # lazy, still an import
+
+            return varying_axes(x)
+
+        def g():
+            import blox.parallel
+            from blox import parallel
+        """,
+    )
+    _plant(tmp_path, "blox/nn/_ok.py", "from blox.parallel._mesh import varying_axes\n")
+    found = sorted((rel, line) for rel, line, _ in core_imports_of_parallel(tmp_path))
+    assert found == [("blox/core/_bad.py", 5), ("blox/core/_bad.py", 10), ("blox/core/_bad.py", 11)]
+
+
+def test_vma_getattrs_finds_planted_violations(tmp_path):
+    _plant(
+        tmp_path,
+        "blox/parallel/_bad.py",
+        """
+        import jax
+
+        def axes(x):
+            aval = jax.typeof(x)
+            mat = getattr(aval, "mat", None)
+            if hasattr(aval, "vma"):
+                return getattr(aval, "vma", ())
+            return getattr(mat, "varying", ())
+
+        def good(x):
+            return jax.typeof(x).manual_axis_type.varying
+        """,
+    )
+    found = sorted(line for _, line, _ in vma_getattrs(tmp_path))
+    assert found == [7, 8, 9]
+
+
+def test_long_functions_counts_a_planted_81_line_function(tmp_path):
+    def lines(n: int) -> str:
+        return "\n".join(f"    x{i} = {i}" for i in range(n))
+
+    _plant(
+        tmp_path,
+        "blox/_long.py",
+        f'''def long_one():
+    """A docstring (not counted)
+    over two lines."""
+    def inner():
+        return 0
+{lines(78)}
+    return x1
+
+
+def exactly_80():
+    """Docstring."""
+{lines(79)}
+    return 0
+
+
+class C:
+    def method(self):
+{textwrap.indent(lines(80), "    ")}
+        return 1
+''',
+    )
+    found = long_functions(tmp_path)
+    # long_one: the nested def (2 lines) + 78 assignments + return = 81; the docstring
+    # is not counted. exactly_80 (79 + return) is not reported.
+    assert found == [("blox/_long.py", "long_one", 81), ("blox/_long.py", "C.method", 81)]
+    assert long_functions(tmp_path, limit=81) == []
