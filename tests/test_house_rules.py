@@ -1,4 +1,6 @@
-"""House rules of the blox source tree, checked on its syntax (no import of blox):
+"""House rules of the blox source tree.
+
+The rules, checked on the syntax of the source tree:
 
 1. No module outside ``blox/core`` imports a private name of ``blox.core`` or reads a
    private attribute of a core object (`Params` storage, its private constructors and
@@ -14,7 +16,8 @@
    the ones listed in `ALLOWED_LONG`, which only shrinks.
 
 Each checker takes the repository root, so the tests also run it on a planted violation
-in a temporary tree and see it found.
+in a temporary tree and see it found. The last tests check the public `Params` methods the
+rules point to against item access and ``jax.tree``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ from __future__ import annotations
 import ast
 import pathlib
 import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import blox as bx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -325,3 +335,66 @@ class C:
     # is not counted. exactly_80 (79 + return) is not reported.
     assert found == [("blox/_long.py", "long_one", 81), ("blox/_long.py", "C.method", 81)]
     assert long_functions(tmp_path, limit=81) == []
+
+
+# ---------------------------------------------------------------------------
+# The public Params API the rules point to (reference: item access and jax.tree)
+# ---------------------------------------------------------------------------
+
+
+def _sample_params():
+    params = bx.Params()
+    params[("net", "w")] = bx.Param(jnp.ones((2, 3)), metadata={"sharding": (None, "model")})
+    params[("net", "b")] = bx.Param(jnp.zeros((3,)))
+    params[("net", "step")] = bx.Param(jnp.zeros((), jnp.int32), trainable=False)
+    return params.locked()
+
+
+def test_params_leaves_and_with_leaves_keep_paths_flags_metadata_and_lock():
+    params = _sample_params()
+    assert list(params.leaves()) == [params[k].value for k in params.keys()]
+    assert len(params.leaves()) == len(jax.tree.leaves(params))
+    new = params.with_leaves([v + 1 for v in params.leaves()])
+    assert jax.tree.structure(new) == jax.tree.structure(params)
+    for k in params.keys():
+        assert new[k].trainable == params[k].trainable
+        assert new[k].metadata == params[k].metadata
+        np.testing.assert_array_equal(new[k].value, params[k].value + 1)
+    assert new.is_locked
+    with pytest.raises(ValueError, match=r"2 leaves for 3 paths.*keys\(\) order"):
+        params.with_leaves(params.leaves()[:2])
+
+
+def test_params_from_items_rebuilds_params_and_refuses_misuse():
+    params = _sample_params()
+    rebuilt = bx.Params.from_items(reversed(params.items()), locked=True)
+    assert jax.tree.structure(rebuilt) == jax.tree.structure(params)
+    assert all(rebuilt[k].value is params[k].value for k in params.keys())
+    with pytest.raises(ValueError, match="'net/w' twice"):
+        bx.Params.from_items([(("net", "w"), bx.Param(1.0)), (("net", "w"), bx.Param(2.0))])
+    with pytest.raises(TypeError, match=r"\(path, Param\) pairs"):
+        bx.Params.from_items([(("net", "w"), 1.0)])
+    with pytest.raises(KeyError, match="path tuples"):
+        bx.Params.from_items([("net/w", bx.Param(1.0))])
+
+
+def test_params_metadata_entries_and_with_metadata():
+    params = _sample_params()
+    assert params.metadata_entries("sharding") == {("net", "w"): (None, "model")}
+    assert params.metadata_entries("absent") == {}
+    meta = params[("net", "b")].metadata
+    meta["sharding"] = ("model",)
+    tagged = params.with_metadata({("net", "b"): meta, ("net", "w"): {}})
+    assert tagged[("net", "b")].sharding == ("model",)
+    assert tagged[("net", "w")].metadata == {}
+    assert params[("net", "w")].sharding == (None, "model")  # the original is unchanged
+    assert all(tagged[k].value is params[k].value for k in params.keys())
+    assert tagged.is_locked and params.with_metadata({}) is params
+    # Metadata is static pytree data: the tree structure changes with it, back when undone.
+    assert jax.tree.structure(tagged) != jax.tree.structure(params)
+    undone = tagged.with_metadata({("net", "b"): {}, ("net", "w"): {"sharding": (None, "model")}})
+    assert jax.tree.structure(undone) == jax.tree.structure(params)
+    with pytest.raises(KeyError, match="'net/c' not found"):
+        params.with_metadata({("net", "c"): {}})
+    with pytest.raises(TypeError, match="must be hashable"):
+        params.with_metadata({("net", "b"): {"x": [1, [2, {3}]]}})
