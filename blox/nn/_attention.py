@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +12,29 @@ from jax.typing import ArrayLike
 
 from blox.core import Graph, Module, Params, Rng
 from blox.core._errors import BloxKeyError
-from blox.nn._linear import Linear
+from blox.nn._linear import Linear, tp_axis_size
 from blox.nn._position import apply_rotary
 
 __all__ = ["MultiHeadAttention"]
+
+
+class HeadLayout(NamedTuple):
+    """The heads one call of `MultiHeadAttention` computes (`MultiHeadAttention.
+    head_layout`): all of them, or one device's share under tensor parallelism.
+
+    Attributes:
+      num_heads: the query heads here, n (N, or N / M over a model axis of M devices).
+      num_kv_heads: the key/value heads here (K, K / M, or 1 when replicated).
+      first: the global index of the first query head here (an int, or a traced
+        int32 inside ``shard_map``).
+      kv_head: with replicated key/value projections (K divides M), the index of the
+        one key/value head this device's query heads share; else None.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    first: Any
+    kv_head: Any
 
 
 _default_kernel_init = jax.nn.initializers.lecun_normal()
@@ -69,8 +88,8 @@ def attention_written_out(
     keep: jax.Array | None = None,
     dropout_rate: float = 0.0,
 ) -> jax.Array:
-    """The math of ``jax.nn.dot_product_attention`` written out, shared by
-    `MultiHeadAttention` and the tensor-parallel `ParallelMultiHeadAttention`.
+    """The math of ``jax.nn.dot_product_attention`` written out (used by
+    `MultiHeadAttention.attend` with dropout and in float64).
 
     ``q (B, T, N, H)``, ``k, v (B, S, K, H)`` (``K`` key/value heads, each shared by
     ``N / K`` query heads), a boolean `mask` broadcastable to ``(B, N, T, S)``; logits
@@ -111,8 +130,8 @@ def check_attention_config(
     dropout_rate: float,
     use_rope: bool,
 ) -> tuple[int, int]:
-    """The constructor checks shared by `MultiHeadAttention` and the tensor-parallel
-    `ParallelMultiHeadAttention`; returns ``(head_dim, num_kv_heads)`` with their
+    """The constructor checks of `MultiHeadAttention` (and of layers built on its
+    configuration); returns ``(head_dim, num_kv_heads)`` with their
     defaults (``model_size // num_heads``, ``num_heads``) filled in. `where` names the
     layer in the errors."""
     for name, v in (("model_size", model_size), ("num_heads", num_heads)):
@@ -184,6 +203,27 @@ class MultiHeadAttention(Module):
         zeros.
       dtype: the compute dtype; default the promotion of the input and parameter dtypes.
       param_dtype: the dtype parameters are created in (float32).
+      tp_axis: the mesh axis of tensor parallelism (Megatron-style), or None
+        (default). See below.
+
+    Tensor parallelism (``tp_axis`` set; M the axis size): inside a ``jax.shard_map``
+    that binds ``tp_axis``, device m computes query heads ``m*N/M ... (m+1)*N/M - 1``:
+    the query, key and value projections are column-split (`Linear`'s ``tp_split``,
+    head-major columns), the attention is local, and the output projection is
+    row-split, so **one all-reduce** in forward. Key/value heads are split the same way
+    when M divides K; when K divides M (e.g. multi-query, K = 1) the key/value
+    projections are replicated (rules ``shard_kv=False``) and each device keeps the one
+    head its query heads share. Masks are given for all N heads (a per-head mask is
+    cut to this device's); attention dropout draws only this device's heads, with the
+    unsharded layer's bits. The parameters are this device's shards, passed with
+    ``in_specs`` from `blox.parallel.param_specs` and
+    `blox.parallel.transformer_tp_rules`; their paths and global shapes are those of
+    the unsharded layer, so one `Params` serves both. Outside such a ``shard_map`` the
+    layer computes the unsharded math (e.g. under ``jax.jit`` on arrays sharded by the
+    rules). N not divisible by M, K and M not dividing one another, a ``tp_axis``
+    that the enclosing ``shard_map``'s mesh lacks, ``check_vma=False`` and KV-cache
+    decoding inside the ``shard_map`` raise, naming the layer and the fix.
+    `blox.parallel.ParallelMultiHeadAttention` is this layer with ``tp_axis`` set.
 
     Parameters: ``<path>/query/kernel`` ``(D, N*H)``, ``<path>/key/kernel``
     ``(D_ctx, K*H)``, ``<path>/value/kernel`` ``(D_ctx, K*H)``, ``<path>/out/kernel``
@@ -259,13 +299,14 @@ class MultiHeadAttention(Module):
         bias_init: Callable = jax.nn.initializers.zeros,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
+        tp_axis: str | None = None,
     ):
         super().__init__(graph)
-        where = f"MultiHeadAttention '{self.path_str}'"
+        where = self._where()
         if rng is not None and not isinstance(rng, Rng):
             raise TypeError(
                 f"{where}: rng must be a blox Rng or None, got {type(rng).__name__} "
-                f"{rng!r}. The signature is MultiHeadAttention(graph, model_size, num_heads, "
+                f"{rng!r}. The signature is {type(self).__name__}(graph, model_size, num_heads, "
                 "rng, *, options...); pass the options by keyword."
             )
         head_dim, num_kv_heads = check_attention_config(
@@ -283,7 +324,9 @@ class MultiHeadAttention(Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
 
-        def lin(name: str, size: int) -> Linear:
+        self.tp_axis = tp_axis
+
+        def lin(name: str, size: int, split: str) -> Linear:
             return Linear(
                 graph.child(name),
                 size,
@@ -293,12 +336,14 @@ class MultiHeadAttention(Module):
                 bias_init=bias_init,
                 dtype=dtype,
                 param_dtype=param_dtype,
+                tp_axis=tp_axis,
+                tp_split=split,
             )
 
-        self.query = lin("query", num_heads * head_dim)
-        self.key = lin("key", num_kv_heads * head_dim)
-        self.value = lin("value", num_kv_heads * head_dim)
-        self.out = lin("out", self.output_size)
+        self.query = lin("query", num_heads * head_dim, "column")
+        self.key = lin("key", num_kv_heads * head_dim, "column")
+        self.value = lin("value", num_kv_heads * head_dim, "column")
+        self.out = lin("out", self.output_size, "row")
 
     # -- KV cache -----------------------------------------------------------------
 
@@ -361,8 +406,132 @@ class MultiHeadAttention(Module):
         decode: bool = False,
     ) -> tuple[jax.Array, Params]:
         """Attends from ``x`` ``(B, T, D)`` to ``context`` (default ``x``); returns
-        ``((B, T, output_size), params)``."""
-        where = f"MultiHeadAttention '{self.path_str}'"
+        ``((B, T, output_size), params)``. The steps: `head_layout` (this device's
+        heads), `project`, the positions and KV cache, the masks, `attend`, and the
+        output projection."""
+        x, ctx = self._check_inputs(x, context, decode)
+        b, t = x.shape[:2]
+        if positions is not None:
+            positions = self._check_positions(positions, b, t)
+        heads = self.head_layout()
+        if decode and heads.num_heads != self.num_heads:
+            raise ValueError(
+                f"{self._where()}: decode=True inside jax.shard_map over tp_axis "
+                f"{self.tp_axis!r} is not supported (the KV cache holds all heads). Decode "
+                "outside the shard_map (the layer then computes the unsharded math)."
+            )
+        q, kk, vv, params = self.project(params, x, ctx, heads)
+        overflow, base_mask, causal = None, None, is_causal
+        if decode:
+            q, kk, vv, base_mask, overflow, params = self._decode_step(
+                params, x, (q, kk, vv), positions
+            )
+            causal = False
+        elif self.use_rope:
+            q_pos = jnp.arange(t, dtype=jnp.int32) if positions is None else positions
+            k_pos = q_pos if context is None else jnp.arange(ctx.shape[1], dtype=jnp.int32)
+            q = apply_rotary(q, q_pos, base=self.rope_base)
+            kk = apply_rotary(kk, k_pos, base=self.rope_base)
+        full = (b, self.num_heads, t, kk.shape[1])
+        full_mask = self._combine_masks(base_mask, mask, key_mask, full, heads)
+        key, params = self._dropout_key(params, is_training)
+        a = self.attend(
+            q, kk, vv, mask=full_mask, is_causal=causal, dropout_key=key, first_head=heads.first
+        )
+        y, params = self.out(params, a.reshape(b, t, heads.num_heads * self.head_dim))
+        if overflow is not None:
+            y = jnp.where(overflow, jnp.asarray(jnp.nan, y.dtype), y)
+        return y, params
+
+    # -- the steps ----------------------------------------------------------------
+
+    def head_layout(self) -> HeadLayout:
+        """The heads this call computes: all of them, or inside a ``jax.shard_map``
+        binding ``tp_axis`` (M devices) this device's ``N / M`` query heads and their
+        key/value heads (split when M divides K, else one replicated head shared by
+        this device's queries, when K divides M)."""
+        where = self._where()
+        n, k = self.num_heads, self.num_kv_heads
+        m = tp_axis_size(self.tp_axis, where, "heads")
+        if m is None or m == 1:
+            return HeadLayout(n, k, 0, None)
+        if n % m:
+            raise ValueError(
+                f"{where}: num_heads = {n} is not divisible by the size {m} of model axis "
+                f"{self.tp_axis!r}, so the heads cannot be split evenly. Use num_heads in "
+                f"multiples of {m} or a model axis dividing {n}."
+            )
+        if k % m and m % k:
+            raise ValueError(
+                f"{where}: num_kv_heads = {k} and the model axis size {m} do not divide one "
+                "another; the key/value heads can be split (M divides K) or replicated (K "
+                "divides M) only."
+            )
+        idx = jax.lax.axis_index(self.tp_axis)
+        first = idx * (n // m)
+        if k % m == 0:
+            return HeadLayout(n // m, k // m, first, None)
+        return HeadLayout(n // m, 1, first, idx // (m // k))
+
+    def project(
+        self, params: Params, x: jax.Array, context: jax.Array, heads: HeadLayout
+    ) -> tuple[jax.Array, jax.Array, jax.Array, Params]:
+        """The query, key and value projections of `heads`' heads: ``q (B, T, n, H)``,
+        ``k, v (B, S, k, H)``. Column-split over ``tp_axis`` inside its ``shard_map``;
+        with replicated key/value heads the full projections are computed and the one
+        head this device shares is kept."""
+        b, t = x.shape[:2]
+        s, h = context.shape[1], self.head_dim
+        kv_split = None if heads.kv_head is None else "replicated"
+        q, params = self.query(params, x)
+        kk, params = self.key(params, context, tp_split=kv_split)
+        vv, params = self.value(params, context, tp_split=kv_split)
+        kk = kk.reshape(b, s, -1, h)
+        vv = vv.reshape(b, s, -1, h)
+        if heads.kv_head is not None:
+            kk = jax.lax.dynamic_slice_in_dim(kk, heads.kv_head, 1, 2)
+            vv = jax.lax.dynamic_slice_in_dim(vv, heads.kv_head, 1, 2)
+        return q.reshape(b, t, heads.num_heads, h), kk, vv, params
+
+    def attend(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        is_causal: bool = False,
+        dropout_key: jax.Array | None = None,
+        first_head: Any = 0,
+    ) -> jax.Array:
+        """The attention of projected heads, ``q (B, T, n, H)``, ``k, v (B, S, k, H)``
+        -> ``(B, T, n, H)`` (query head ``i`` uses key/value head ``i // (n / k)``).
+
+        `mask` is boolean, broadcastable to ``(B, n, T, S)``; `dropout_key` (training
+        with ``dropout_rate > 0``) drops weights with the keep-mask of the global query
+        heads ``first_head + arange(n)`` (`dropout_keep_mask`, the bits the unsharded
+        layer draws for them). ``jax.nn.dot_product_attention``, or the same math
+        written out with dropout and in float64. A subclass may override this step
+        (e.g. attention over a sequence sharded across devices); the projections,
+        masks and output stay as they are."""
+        if dropout_key is None and q.dtype != jnp.float64:
+            # jax's own promotion of bf16 logits to f32 is not strict-clean; scope it.
+            with jax.numpy_dtype_promotion("standard"):
+                return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+        keep = None
+        if dropout_key is not None:
+            b, t, n, _ = q.shape
+            heads = first_head + jnp.arange(n, dtype=jnp.int32)
+            keep = dropout_keep_mask(dropout_key, self.dropout_rate, heads, (b, t, k.shape[1]))
+        return attention_written_out(q, k, v, mask, is_causal, keep, self.dropout_rate)
+
+    def _where(self) -> str:
+        return f"{type(self).__name__} '{self.path_str}'"
+
+    def _check_inputs(
+        self, x: ArrayLike, context: ArrayLike | None, decode: bool
+    ) -> tuple[jax.Array, jax.Array]:
+        where = self._where()
         x = jnp.asarray(x)
         if x.ndim != 3 or x.shape[-1] != self.model_size:
             raise ValueError(
@@ -370,81 +539,60 @@ class MultiHeadAttention(Module):
                 f"{self.model_size}), got {tuple(x.shape)}. Fix the input's feature size, "
                 "or jax.vmap over extra leading axes."
             )
-        b, t = x.shape[:2]
         if decode and context is not None:
             raise ValueError(
                 f"{where}: decode=True is for self-attention; got a context of shape "
                 f"{tuple(jnp.shape(context))}. Compute cross-attention without decode."
             )
         ctx = x if context is None else jnp.asarray(context)
-        if ctx.ndim != 3 or ctx.shape[0] != b:
+        if ctx.ndim != 3 or ctx.shape[0] != x.shape[0]:
             raise ValueError(
-                f"{where}: context must have shape (B, S, D_ctx) with B = {b} (x shape "
-                f"{tuple(x.shape)}), got {tuple(ctx.shape)}."
+                f"{where}: context must have shape (B, S, D_ctx) with B = {x.shape[0]} (x "
+                f"shape {tuple(x.shape)}), got {tuple(ctx.shape)}."
             )
-        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
-        if positions is not None:
-            positions = self._check_positions(positions, b, t)
+        return x, ctx
 
-        q, params = self.query(params, x)
-        kk, params = self.key(params, ctx)
-        vv, params = self.value(params, ctx)
-        q = q.reshape(b, t, n, h)
-        kk = kk.reshape(b, ctx.shape[1], k, h)
-        vv = vv.reshape(b, ctx.shape[1], k, h)
+    def _decode_step(
+        self,
+        params: Params,
+        x: jax.Array,
+        qkv: tuple[jax.Array, jax.Array, jax.Array],
+        positions: jax.Array | None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, Params]:
+        """Writes the new keys and values into the KV cache; returns ``(q, keys,
+        values, visibility mask, overflow flag, params)`` over all L cache slots."""
+        q, kk, vv = qkv
+        t = q.shape[1]
+        index = self._decode_index(params, x)
+        slots = index + jnp.arange(t, dtype=jnp.int32)
+        if self.use_rope:
+            rope = slots if positions is None else positions
+            q = apply_rotary(q, rope, base=self.rope_base)
+            kk = apply_rotary(kk, rope, base=self.rope_base)
+        ck = self.peek_param(params, "cache_key")
+        cv = self.peek_param(params, "cache_value")
+        length = ck.shape[1]
+        start = (jnp.int32(0), index, jnp.int32(0), jnp.int32(0))
+        ck = jax.lax.dynamic_update_slice(ck, kk.astype(ck.dtype), start)
+        cv = jax.lax.dynamic_update_slice(cv, vv.astype(cv.dtype), start)
+        params = self.set_param(params, "cache_key", ck)
+        params = self.set_param(params, "cache_value", cv)
+        params = self.set_param(params, "cache_index", index + jnp.int32(t))
+        overflow = index + jnp.int32(t) > length
+        visible = jnp.arange(length, dtype=jnp.int32)[None, :] <= slots[:, None]
+        mask = visible.reshape(1, 1, t, length)
+        return q, ck.astype(q.dtype), cv.astype(q.dtype), mask, overflow, params
 
-        overflow = None
-        if decode:
-            index = self._decode_index(params, x)
-            slots = index + jnp.arange(t, dtype=jnp.int32)
-            if self.use_rope:
-                rope = slots if positions is None else positions
-                q = apply_rotary(q, rope, base=self.rope_base)
-                kk = apply_rotary(kk, rope, base=self.rope_base)
-            ck = self.peek_param(params, "cache_key")
-            cv = self.peek_param(params, "cache_value")
-            length = ck.shape[1]
-            start = (jnp.int32(0), index, jnp.int32(0), jnp.int32(0))
-            ck = jax.lax.dynamic_update_slice(ck, kk.astype(ck.dtype), start)
-            cv = jax.lax.dynamic_update_slice(cv, vv.astype(cv.dtype), start)
-            params = self.set_param(params, "cache_key", ck)
-            params = self.set_param(params, "cache_value", cv)
-            params = self.set_param(params, "cache_index", index + jnp.int32(t))
-            overflow = index + jnp.int32(t) > length
-            kk, vv = ck.astype(q.dtype), cv.astype(q.dtype)
-            visible = jnp.arange(length, dtype=jnp.int32)[None, :] <= slots[:, None]
-            full_mask = visible.reshape(1, 1, t, length)
-            causal = False
-        else:
-            if self.use_rope:
-                q_pos = jnp.arange(t, dtype=jnp.int32) if positions is None else positions
-                k_pos = q_pos if context is None else jnp.arange(ctx.shape[1], dtype=jnp.int32)
-                q = apply_rotary(q, q_pos, base=self.rope_base)
-                kk = apply_rotary(kk, k_pos, base=self.rope_base)
-            full_mask = None
-            causal = is_causal
-        s = kk.shape[1]
-        full_mask = self._combine_masks(full_mask, mask, key_mask, (b, n, t, s))
-
-        dropout = is_training and self.dropout_rate > 0.0
-        if dropout or q.dtype == jnp.float64:
-            key = None
-            if dropout:
-                if self.rng is None:
-                    raise ValueError(
-                        f"{where}: dropout_rate > 0 needs an Rng in training mode: pass "
-                        "rng=... to the constructor, or call with is_training=False."
-                    )
-                key, params = self.rng(params)
-            a = self._attend_written_out(q, kk, vv, full_mask, causal, key)
-        else:
-            # jax's own promotion of bf16 logits to f32 is not strict-clean; scope it.
-            with jax.numpy_dtype_promotion("standard"):
-                a = jax.nn.dot_product_attention(q, kk, vv, mask=full_mask, is_causal=causal)
-        y, params = self.out(params, a.reshape(b, t, n * h))
-        if overflow is not None:
-            y = jnp.where(overflow, jnp.asarray(jnp.nan, y.dtype), y)
-        return y, params
+    def _dropout_key(self, params: Params, is_training: bool) -> tuple[jax.Array | None, Params]:
+        """One key from `rng` for the attention dropout (None when it is off)."""
+        if not (is_training and self.dropout_rate > 0.0):
+            return None, params
+        if self.rng is None:
+            raise ValueError(
+                f"{self._where()}: dropout_rate > 0 needs an Rng in training mode: pass "
+                "rng=... to the constructor, or call with is_training=False."
+            )
+        return self.rng(params)
 
     def _cache_length(self, params: Params) -> int:
         ck = self.peek_param(params, "cache_key")
@@ -505,8 +653,13 @@ class MultiHeadAttention(Module):
         mask: ArrayLike | None,
         key_mask: ArrayLike | None,
         full: tuple[int, int, int, int],
+        heads: HeadLayout,
     ) -> jax.Array | None:
-        where = f"MultiHeadAttention '{self.path_str}'"
+        """The boolean mask ``(B, n | 1, T, S)`` of `heads`' query heads: `base` (the
+        cache slots' visibility), `mask` (checked by its rank against the ``full``
+        ``(B, N, T, S)``; a per-head mask is cut to this device's heads) and
+        `key_mask`; None when there is none."""
+        where = self._where()
         b, n, t, s = full
         out = base
         if mask is not None:
@@ -534,6 +687,8 @@ class MultiHeadAttention(Module):
                     "padding use key_mask of shape (B, S)."
                 )
             mask = mask4
+            if mask.shape[1] == n and heads.num_heads != n:
+                mask = jax.lax.dynamic_slice_in_dim(mask, heads.first, heads.num_heads, 1)
             out = mask if out is None else jnp.logical_and(out, mask)
         if key_mask is not None:
             key_mask = jnp.asarray(key_mask)
@@ -545,21 +700,3 @@ class MultiHeadAttention(Module):
             km = key_mask.reshape(b, 1, 1, s)
             out = km if out is None else jnp.logical_and(out, km)
         return out
-
-    def _attend_written_out(
-        self,
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        mask: jax.Array | None,
-        causal: bool,
-        key: jax.Array | None,
-    ) -> jax.Array:
-        """The math of ``jax.nn.dot_product_attention``, plus dropout on the weights."""
-        keep = None
-        if key is not None:
-            b, t, n, _ = q.shape
-            s = k.shape[1]
-            heads = jnp.arange(n, dtype=jnp.int32)
-            keep = dropout_keep_mask(key, self.dropout_rate, heads, (b, t, s))
-        return attention_written_out(q, k, v, mask, causal, keep, self.dropout_rate)

@@ -60,6 +60,17 @@ class TransformerBlock(Module):
       use_rope: rotary positions inside the attention.
       use_bias: biases in the attention projections and the MLP.
       dtype, param_dtype: passed to every sub-layer.
+      tp_axis: tensor parallelism (Megatron-style) over this mesh axis, or None
+        (default): the attention's heads are split over it (`MultiHeadAttention`'s
+        ``tp_axis``) and the MLP is column- then row-split (`MLP`'s ``tp_axis``), so
+        inside a ``jax.shard_map`` binding the axis the block does **two all-reduces
+        in forward**, one per row-split layer; the norms, residuals and dropout run
+        replicated on every device (residual dropout draws the same mask on each:
+        do not fold the model axis into the seed; see `blox.parallel.fold_seeds`).
+        Outside such a ``shard_map`` the block computes the unsharded math. The
+        parameters keep their paths and global shapes (shard them with
+        `blox.parallel.transformer_tp_rules`); `blox.parallel.ParallelTransformerBlock`
+        is this block with ``tp_axis`` set.
 
     Initializers: LeCun normal kernels and zero biases (`Linear`), ones/zeros for the
     norms.
@@ -101,11 +112,13 @@ class TransformerBlock(Module):
         use_bias: bool = True,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
+        tp_axis: str | None = None,
     ):
         super().__init__(graph)
         self.model_size = model_size
         self.mlp_size = 4 * model_size if mlp_size is None else mlp_size
         self.activation = activation
+        self.tp_axis = tp_axis
         self.norm1 = make_norm(graph.child("norm1"), norm, epsilon, dtype, param_dtype)
         self.attn = MultiHeadAttention(
             graph.child("attn"),
@@ -118,6 +131,7 @@ class TransformerBlock(Module):
             use_bias=use_bias,
             dtype=dtype,
             param_dtype=param_dtype,
+            tp_axis=tp_axis,
         )
         self.norm2 = make_norm(graph.child("norm2"), norm, epsilon, dtype, param_dtype)
         self.mlp = MLP(
@@ -128,6 +142,7 @@ class TransformerBlock(Module):
             use_bias=use_bias,
             dtype=dtype,
             param_dtype=param_dtype,
+            tp_axis=tp_axis,
         )
         self.dropout = Dropout(graph.child("dropout"), dropout_rate, rng)
 
@@ -144,37 +159,23 @@ class TransformerBlock(Module):
         decode: bool = False,
     ) -> tuple[jax.Array, Params]:
         """Applies the block to ``x`` ``(B, T, D)``; returns ``((B, T, D), params)``."""
-        return pre_norm_residual(
-            self,
+        h, params = self.norm1(params, x)
+        h, params = self.attn(
             params,
-            x,
-            is_training,
+            h,
             mask=mask,
             key_mask=key_mask,
             is_causal=is_causal,
             positions=positions,
+            is_training=is_training,
             decode=decode,
         )
-
-
-def pre_norm_residual(
-    block: Module, params: Params, x: jax.Array, is_training: bool, **attn_kwargs: Any
-) -> tuple[jax.Array, Params]:
-    """The pre-norm residual structure shared by `TransformerBlock` and the
-    tensor-parallel `ParallelTransformerBlock` (`block` has ``norm1``, ``attn``,
-    ``norm2``, ``mlp`` and ``dropout``)::
-
-        h = x + dropout(attn(norm1(x), **attn_kwargs))
-        y = h + dropout(mlp(norm2(h)))
-    """
-    h, params = block.norm1(params, x)
-    h, params = block.attn(params, h, is_training=is_training, **attn_kwargs)
-    h, params = block.dropout(params, h, is_training=is_training)
-    x = x + h.astype(x.dtype)
-    h, params = block.norm2(params, x)
-    h, params = block.mlp(params, h)
-    h, params = block.dropout(params, h, is_training=is_training)
-    return x + h.astype(x.dtype), params
+        h, params = self.dropout(params, h, is_training=is_training)
+        x = x + h.astype(x.dtype)
+        h, params = self.norm2(params, x)
+        h, params = self.mlp(params, h)
+        h, params = self.dropout(params, h, is_training=is_training)
+        return x + h.astype(x.dtype), params
 
 
 class TransformerLM(Module):

@@ -489,3 +489,40 @@ def test_attention_errors_name_path_shapes_and_fix():
     y, _ = attn(params, x, mask=jnp.tril(jnp.ones((3, 3), bool)))
     y_causal, _ = attn(params, x, is_causal=True)
     np.testing.assert_allclose(y, y_causal, **tol(jnp.float32))
+
+
+def test_attend_step_alone_equals_numpy_gqa_and_its_dropout_bits_follow_first_head():
+    """`attend` (the step a sequence-parallel subclass may replace) on projected heads:
+    grouped-query heads with a causal and a padding mask equal naive float64 NumPy
+    attention; with dropout, the heads ``first_head .. first_head + n - 1`` of a call on
+    n heads drop the weights that a call on all N heads drops for them (as one device of
+    the tensor-parallel layer does)."""
+    b, t, n, k, h = 2, 5, 4, 2, 3
+    rs = np.random.default_rng(11)
+    q, kk, vv = (rs.standard_normal((b, t, m, h)) for m in (n, k, k))
+    pad = np.arange(t)[None, :] < np.array([5, 3])[:, None]  # (B, S)
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    attn = bx.MultiHeadAttention(g / "attn", 12, n, rng, num_kv_heads=k)
+    with dtype_context("float64"):
+        mask = jnp.asarray(pad[:, None, None, :])
+        y = attn.attend(*(jnp.asarray(a) for a in (q, kk, vv)), mask=mask, is_causal=True)
+        assert y.dtype == jnp.float64
+    logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(kk, n // k, axis=2)) / np.sqrt(h)
+    allowed = np.tril(np.ones((t, t), bool))[None, None] & pad[:, None, None, :]
+    logits = np.where(allowed, logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    want = np.einsum("bnts,bsnh->btnh", w, np.repeat(vv, n // k, axis=2))
+    np.testing.assert_allclose(np.asarray(y), want, **tol(jnp.float64))
+
+    drop = bx.MultiHeadAttention(g / "drop", 12, n, rng, num_kv_heads=k, dropout_rate=0.5)
+    key = jax.random.key(3)
+    qs, ks, vs = (jnp.asarray(a, jnp.float32) for a in (q, kk, vv))
+    every = drop.attend(qs, ks, vs, is_causal=True, dropout_key=key)
+    assert not np.allclose(np.asarray(every), np.asarray(drop.attend(qs, ks, vs, is_causal=True)))
+    # Heads 2, 3 share key/value head 1: call on them alone, as device 1 of 2 would.
+    part = drop.attend(qs[:, :, 2:], ks[:, :, 1:], vs[:, :, 1:], is_causal=True,
+                       dropout_key=key, first_head=2)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(part), np.asarray(every[:, :, 2:]), **tol(jnp.float32))
+    assert tuple(attn.head_layout()) == (n, k, 0, None)  # no shard_map: every head

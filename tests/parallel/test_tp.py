@@ -367,3 +367,117 @@ def test_attention_dropout_draws_only_the_local_heads_with_the_unsharded_bits(
     sizes = _random_bits_sizes(hlo)
     assert local in sizes, sizes
     assert max(sizes) == local, f"the TP program draws {max(sizes)} bits, > {local}: {sizes}"
+
+
+MLP_RULES = [
+    (r"linear_(0|2)/kernel", (None, "model")),
+    (r"linear_(0|2)/bias", ("model",)),
+    (r"linear_(1|3)/kernel", ("model", None)),
+    (r"linear_(1|3)/bias", None),
+    ("rng/(seed|counter)", None),
+]
+
+
+@pytest.mark.parametrize("which", ["block", "mlp"])
+def test_nn_layers_in_tp_mode_equal_the_same_layers_unsharded(which):
+    """The `blox.nn` layers themselves with ``tp_axis='model'`` (no Parallel* class),
+    inside shard_map on a 2x4 mesh, equal the same layers without ``tp_axis`` on one
+    device, forward and every gradient: a `TransformerBlock` with grouped-query heads
+    (K = 2 < M = 4: key/value projections replicated, each device keeping its shared
+    head) and RoPE at given positions; a four-layer `MLP` (column, row, column, row)."""
+    x = _x(5)
+    if which == "block":
+        kw = dict(mlp_size=F, num_kv_heads=2, use_rope=True)
+        ref, tp, params, _ = _pair(
+            lambda g, r: bx.TransformerBlock(g, D, N, r, **kw),
+            lambda g, r: bx.TransformerBlock(g, D, N, r, tp_axis="model", **kw),
+            x,
+        )
+        rules = bp.transformer_tp_rules(shard_kv=False) + [("rng/(seed|counter)", None)]
+        call_kw = dict(is_causal=True, is_training=False, positions=jnp.arange(T) + 3)
+    else:
+        g1, g2 = bx.Graph("net"), bx.Graph("net")
+        r1, r2 = bx.Rng(g1 / "rng"), bx.Rng(g2 / "rng")
+        sizes = (F, D, F, D)
+        ref = bx.MLP(g1 / "mlp", sizes, r1, activation=jnp.tanh)
+        tp = bx.MLP(g2 / "mlp", sizes, r2, activation=jnp.tanh, tp_axis="model")
+        params = ref(r1.seed(bx.Params(), seed=0), x)[1].locked()
+        rules, call_kw = MLP_RULES, {}
+    mesh = bp.make_mesh((2, 4), ("data", "model"))
+    with jax.default_matmul_precision("highest"):
+        f, ps, put, cot = _sharded_call(tp, params, mesh, rules, call_kw)
+        y, grads = f(ps, put(x), put(cot))
+        _check(ref, params, x, call_kw, y, grads, cot)
+    if which == "mlp":  # two row-split layers: two all-reduces in forward
+        specs = bp.param_specs(params, rules, mesh)
+        g = jax.shard_map(
+            lambda p, x: tp(p, x)[0], mesh=mesh, in_specs=(specs, P("data")), out_specs=P("data")
+        )
+        assert _count_all_reduce(g, ps, put(x)) == 2
+
+
+def test_tp_mode_misuse_names_the_layer_the_axis_and_the_fix():
+    """A tp_axis the enclosing shard_map's mesh lacks, heads the axis does not divide,
+    an odd tensor-parallel MLP, decoding inside the shard_map, an unknown split and an
+    out_sharding inside the shard_map raise, each naming the layer's path."""
+    x = _x()
+    g = bx.Graph("net")
+    r = bx.Rng(g / "rng")
+    params = r.seed(bx.Params(), seed=0)
+    layers = {
+        "typo": bx.MultiHeadAttention(g / "typo", D, N, r, tp_axis="mdl"),
+        "fc": bx.Linear(g / "fc", 8, r, tp_axis="mdl"),
+        "two": bx.MultiHeadAttention(g / "two", D, 2, r, tp_axis="model"),
+        "cache": bx.MultiHeadAttention(g / "cache", D, N, r, tp_axis="model"),
+        "col": bp.ColumnParallelLinear(g / "col", 8, r),
+    }
+    for layer in layers.values():  # global mode (no shard_map): every tp_axis is fine
+        params = layer(params, x)[1]
+    params = params.locked()
+    mesh = bp.make_mesh((2, 4), ("data", "model"))
+    rep = bp.param_specs(params, [(".*", None)])
+    ps = jax.device_put(params, NamedSharding(mesh, P()))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+
+    def traced(fn):  # the errors come at trace time: nothing compiles
+        f = jax.shard_map(fn, mesh=mesh, in_specs=(rep, P("data")), out_specs=P("data"))
+        return jax.jit(f).trace(ps, xs)
+
+    axes = r"\(axes \('data', 'model'\)\)"
+    with pytest.raises(
+        ValueError,
+        match=r"MultiHeadAttention 'net/typo': tp_axis='mdl' is not an axis of the enclosing "
+        rf"jax.shard_map's mesh {axes}, so the layer cannot split its heads over it\. Build "
+        r"the layer with tp_axis set to the mesh's model axis \(one of \('data', 'model'\)\)",
+    ):
+        traced(lambda p, x: layers["typo"](p, x)[0])
+    with pytest.raises(
+        ValueError, match=rf"Linear 'net/fc': tp_axis='mdl' is not an axis .* mesh {axes}"
+    ):
+        traced(lambda p, x: layers["fc"](p, x)[0][..., :D] + x)
+    with pytest.raises(
+        ValueError,
+        match=r"MultiHeadAttention 'net/two': num_heads = 2 is not divisible by the size 4 "
+        r"of model axis 'model'.*Use num_heads in multiples of 4 or a model axis dividing 2",
+    ):
+        traced(lambda p, x: layers["two"](p, x)[0])
+    with pytest.raises(
+        ValueError,
+        match=r"'net/cache': decode=True inside jax.shard_map over tp_axis 'model' is not "
+        r"supported.*Decode outside the shard_map",
+    ):
+        traced(lambda p, x: layers["cache"](p, x, decode=True)[0])
+    with pytest.raises(ValueError, match=r"ColumnParallelLinear 'net/col': out_sharding has no"):
+        traced(lambda p, x: layers["col"](p, x, out_sharding=P())[0][..., :D] + x)
+    with pytest.raises(
+        ValueError,
+        match=r"MLP 'net/odd': with tp_axis='model' the layers alternate column- and "
+        r"row-split, so their number must be even; got output_sizes=\(8, 4, 2\)",
+    ):
+        bx.MLP(g / "odd", (8, 4, 2), r, tp_axis="model")
+    with pytest.raises(
+        ValueError,
+        match=r"Linear 'net/bad': tp_split must be one of \('column', 'row', 'replicated'\), "
+        r"got 'rows'",
+    ):
+        bx.Linear(g / "bad", 8, r, tp_axis="model", tp_split="rows")
