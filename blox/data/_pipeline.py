@@ -325,6 +325,33 @@ def pipeline(
     prefetch = _check_int("prefetch", prefetch, 0)
     if num_epochs is not None:
         num_epochs = _check_int("num_epochs", num_epochs, 1)
+    _check_layout(batch_size, shard_index, shard_count, read_threads, prefetch)
+    if shuffle:
+        _check_seed(seed)
+    n = _source_length(source)
+    _check_partial_batch(n, batch_size, shard_count, drop_remainder)
+    chunk = num_chunks = None
+    if tbptt_chunk is not None:
+        num_chunks = tbptt_chunks(source, tbptt_chunk)
+        chunk = int(tbptt_chunk)
+    _probe(source, chunk)
+
+    ids = _id_batches(n, batch_size, seed if shuffle else None, drop_remainder)
+    if chunk is None:
+        ds = ids.map(_ReadRows(source, shard_index, shard_count))
+    else:
+        chunks = grain.experimental.FlatMapMapDataset(ids, ChunkSplit(num_chunks))
+        ds = chunks.map(_ReadChunk(source, shard_index, shard_count, chunk))
+    if num_epochs != 1:
+        ds = ds.repeat(num_epochs)
+    return _iter_dataset(ds, read_threads, prefetch, num_workers)
+
+
+def _check_layout(
+    batch_size: int, shard_index: int, shard_count: int, read_threads: int, prefetch: int
+) -> None:
+    """The shard is one of `shard_count`, which split the global batch evenly, and the
+    buffer keeps every read thread busy."""
     if shard_index >= shard_count:
         raise ValueError(
             f"pipeline: shard_index={shard_index} must be < shard_count={shard_count} (shards "
@@ -341,18 +368,21 @@ def pipeline(
             f"pipeline: prefetch={prefetch} is smaller than read_threads={read_threads}, so "
             f"some threads would idle. Use prefetch >= {read_threads}."
         )
-    if shuffle:
-        if seed is None:
-            raise ValueError(
-                "pipeline: shuffle=True needs a seed (shuffling is deterministic; nothing is "
-                "drawn from global state). Pass e.g. seed=0."
-            )
-        if (
-            isinstance(seed, bool)
-            or not isinstance(seed, int | np.integer)
-            or not (0 <= seed < 2**32)
-        ):
-            raise ValueError(f"pipeline: seed must be an int in [0, 2**32), got {seed!r}.")
+
+
+def _check_seed(seed: Any) -> None:
+    """A shuffled pipeline has a seed, an int in ``[0, 2**32)``."""
+    if seed is None:
+        raise ValueError(
+            "pipeline: shuffle=True needs a seed (shuffling is deterministic; nothing is "
+            "drawn from global state). Pass e.g. seed=0."
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not (0 <= seed < 2**32):
+        raise ValueError(f"pipeline: seed must be an int in [0, 2**32), got {seed!r}.")
+
+
+def _source_length(source: Any) -> int:
+    """The number of items of a random-access source (``len`` and ``[]``), not zero."""
     if not hasattr(source, "__len__") or not hasattr(source, "__getitem__"):
         raise TypeError(
             f"pipeline: source must support len() and [] (Grain's RandomAccessDataSource), "
@@ -361,6 +391,11 @@ def pipeline(
     n = len(source)
     if n == 0:
         raise ValueError(f"pipeline: the source {source!r} is empty.")
+    return n
+
+
+def _check_partial_batch(n: int, batch_size: int, shard_count: int, drop_remainder: bool) -> None:
+    """A final partial batch (kept) must split evenly over the shards; it is logged once."""
     partial = 0 if drop_remainder else n % batch_size
     if partial % shard_count:
         raise ValueError(
@@ -383,14 +418,14 @@ def pipeline(
             f" ({partial // shard_count} rows per shard)" if shard_count > 1 else "",
             partial,
         )
-    chunk = num_chunks = None
-    if tbptt_chunk is not None:
-        num_chunks = tbptt_chunks(source, tbptt_chunk)
-        chunk = int(tbptt_chunk)
-    _probe(source, chunk)
 
+
+def _id_batches(
+    n: int, batch_size: int, seed: int | None, drop_remainder: bool
+) -> grain.MapDataset:
+    """Global batches of item ids, shuffled anew each epoch when `seed` is given."""
     ids = grain.MapDataset.range(n)
-    if shuffle:
+    if seed is not None:
         ids = ids.map_with_index(_EpochShuffle(n, int(seed)))
     ids = ids.batch(batch_size, drop_remainder=drop_remainder)
     if len(ids) == 0:
@@ -398,13 +433,14 @@ def pipeline(
             f"pipeline: {n} items make no full batch of {batch_size} and drop_remainder=True. "
             "Use a smaller batch_size or drop_remainder=False."
         )
-    if chunk is None:
-        ds = ids.map(_ReadRows(source, shard_index, shard_count))
-    else:
-        chunks = grain.experimental.FlatMapMapDataset(ids, ChunkSplit(num_chunks))
-        ds = chunks.map(_ReadChunk(source, shard_index, shard_count, chunk))
-    if num_epochs != 1:
-        ds = ds.repeat(num_epochs)
+    return ids
+
+
+def _iter_dataset(
+    ds: grain.MapDataset, read_threads: int, prefetch: int, num_workers: int
+) -> grain.IterDataset:
+    """`ds` read by `read_threads` threads into a buffer of `prefetch` batches, in
+    `num_workers` worker processes when there are any."""
     it_ds = ds.to_iter_dataset(
         grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
     )

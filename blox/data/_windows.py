@@ -125,44 +125,9 @@ class WindowedSource:
         self.window = None if window is None else int(window)
         self.stride = int(stride)
 
-        lengths, channels, dtypes = [], {}, {}
-        for f, file in enumerate(self.files):
-            sizes = {}
-            for key, group in self.signals.items():
-                n_ch, kinds = 0, []
-                for name in group:
-                    info = self.index.info(f, name)
-                    if len(info.shape) not in (1, 2):
-                        raise ValueError(
-                            f"HDF5 file {file!r}, dataset {name!r} (signal {key!r}) has shape "
-                            f"{info.shape}; expected [T] or [T, C] with time first. Reshape "
-                            "it when writing the file, e.g. data.reshape(T, -1)."
-                        )
-                    sizes[name] = info.shape[0]
-                    n_ch += 1 if len(info.shape) == 1 else info.shape[1]
-                    kinds.append(info.dtype)
-                if channels.setdefault(key, n_ch) != n_ch:
-                    raise ValueError(
-                        f"HDF5 file {file!r}: signal {key!r} has {n_ch} channels but "
-                        f"{channels[key]} in {self.files[0]!r}; every file must give each "
-                        "signal the same channels."
-                    )
-                dtypes[key] = np.result_type(dtypes.get(key, kinds[0]), *kinds)
-            if len(set(sizes.values())) > 1:
-                raise ValueError(
-                    f"HDF5 file {file!r}: datasets have different lengths {sizes}; every "
-                    "dataset of a file must share the time axis (e.g. u and y sampled "
-                    "together). Trim them to a common length when writing the file, or "
-                    "list them in separate sources."
-                )
-            length = next(iter(sizes.values()))
-            if self.window is not None and length < self.window:
-                raise ValueError(
-                    f"HDF5 file {file!r} has {length} time steps (dataset "
-                    f"{next(iter(sizes))!r}), fewer than window={self.window}. Use a window "
-                    f"<= {length}, or leave this file out of the list."
-                )
-            lengths.append(length)
+        channels: dict[str, int] = {}
+        dtypes: dict[str, np.dtype] = {}
+        lengths = [self._file_length(f, channels, dtypes) for f in range(len(self.files))]
         self.lengths: tuple[int, ...] = tuple(lengths)
         self.channels: dict[str, int] = channels
         self.dtypes: dict[str, np.dtype] = {
@@ -176,6 +141,56 @@ class WindowedSource:
             counts = [(t - self.window) // self.stride + 1 for t in lengths]
         self.counts: tuple[int, ...] = tuple(counts)
         self._ends: list[int] = np.cumsum(counts).tolist()
+
+    def _file_length(self, f: int, channels: dict[str, int], dtypes: dict[str, np.dtype]) -> int:
+        """The time steps of file `f`, after checking its datasets: rank 1 or 2, one
+        length, at least `window`; each signal with the channels of the first file.
+        Records each signal's channels in `channels` and promotes its dtype in `dtypes`."""
+        file = self.files[f]
+        sizes: dict[str, int] = {}
+        for key, group in self.signals.items():
+            n_ch, kinds = self._signal_layout(f, key, group, sizes)
+            if channels.setdefault(key, n_ch) != n_ch:
+                raise ValueError(
+                    f"HDF5 file {file!r}: signal {key!r} has {n_ch} channels but "
+                    f"{channels[key]} in {self.files[0]!r}; every file must give each "
+                    "signal the same channels."
+                )
+            dtypes[key] = np.result_type(dtypes.get(key, kinds[0]), *kinds)
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"HDF5 file {file!r}: datasets have different lengths {sizes}; every "
+                "dataset of a file must share the time axis (e.g. u and y sampled "
+                "together). Trim them to a common length when writing the file, or "
+                "list them in separate sources."
+            )
+        length = next(iter(sizes.values()))
+        if self.window is not None and length < self.window:
+            raise ValueError(
+                f"HDF5 file {file!r} has {length} time steps (dataset "
+                f"{next(iter(sizes))!r}), fewer than window={self.window}. Use a window "
+                f"<= {length}, or leave this file out of the list."
+            )
+        return length
+
+    def _signal_layout(
+        self, f: int, key: str, group: tuple[str, ...], sizes: dict[str, int]
+    ) -> tuple[int, list[np.dtype]]:
+        """The channels of signal `key` in file `f` (its datasets' summed) and their
+        dtypes; records each dataset's length in `sizes`."""
+        n_ch, kinds = 0, []
+        for name in group:
+            info = self.index.info(f, name)
+            if len(info.shape) not in (1, 2):
+                raise ValueError(
+                    f"HDF5 file {self.files[f]!r}, dataset {name!r} (signal {key!r}) has shape "
+                    f"{info.shape}; expected [T] or [T, C] with time first. Reshape "
+                    "it when writing the file, e.g. data.reshape(T, -1)."
+                )
+            sizes[name] = info.shape[0]
+            n_ch += 1 if len(info.shape) == 1 else info.shape[1]
+            kinds.append(info.dtype)
+        return n_ch, kinds
 
     # -- Grain's RandomAccessDataSource protocol ----------------------------------
 
