@@ -453,6 +453,44 @@ def initialize(
         "num_processes": _check_int("num_processes", num_processes),
         "process_id": _check_int("process_id", process_id),
     }
+    timeout, heartbeat = _timeouts(initialization_timeout, heartbeat_timeout)
+    settings = _group_settings(given, timeout)
+    if settings is None:  # alone
+        if jax.distributed.is_initialized():
+            return describe()
+        return describe(source="single process")
+    address, count, pid, source = settings
+    _check_rank(count, pid)
+    split_address(address)  # validates
+    if count == 1:
+        return describe(source=source)
+    if jax.distributed.is_initialized():
+        joined = (jax.process_index(), jax.process_count())
+        if joined != (pid, count):
+            raise ValueError(
+                f"initialize: already joined as process {joined[0]} of {joined[1]}, now "
+                f"asked to be process {pid} of {count}."
+            )
+        return describe(source=source)
+    _join(
+        address,
+        count,
+        pid,
+        _pick_devices(device_ids),
+        timeout=timeout,
+        heartbeat=heartbeat,
+        shutdown_timeout=shutdown_timeout,
+        roll_call_first=roll_call_first,
+    )
+    _install_exit_guard(exit_on_error, os.environ.get(ENV_LAUNCH_DIR), pid)
+    return describe(source=source)
+
+
+def _timeouts(
+    initialization_timeout: float | None, heartbeat_timeout: int | None
+) -> tuple[float, int]:
+    """The join and heartbeat timeouts in seconds: as given, else from ``BLOX_INIT_TIMEOUT``
+    and ``BLOX_HEARTBEAT_TIMEOUT``, else the defaults; both must be positive."""
     timeout = (
         float(initialization_timeout)
         if initialization_timeout is not None
@@ -467,7 +505,12 @@ def initialize(
     )
     if heartbeat <= 0:
         raise ValueError(f"initialize: heartbeat_timeout={heartbeat} must be positive.")
+    return timeout, heartbeat
 
+
+def _group_settings(given: Mapping[str, Any], timeout: float) -> tuple[str, int, int, str] | None:
+    """``(address, count, id, source)`` of the group, from the arguments, else the
+    ``BLOX_*`` environment, else a cluster JAX detects; ``None`` for a process alone."""
     if any(v is not None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
         if missing:
@@ -476,30 +519,34 @@ def initialize(
                 "coordinator_address, num_processes and process_id, or none (then the "
                 "BLOX_* environment or the cluster's is used)."
             )
-        source = "arguments"
-        address, count, pid = coordinator_address, given["num_processes"], given["process_id"]
-    else:
-        env = {
-            ENV_COORDINATOR: os.environ.get(ENV_COORDINATOR) or None,
-            ENV_NUM_PROCESSES: _int_env(ENV_NUM_PROCESSES),
-            ENV_PROCESS_ID: _int_env(ENV_PROCESS_ID),
-        }
-        if any(v is not None for v in env.values()):
-            missing = [k for k, v in env.items() if v is None]
-            if missing:
-                raise ValueError(
-                    f"initialize: {', '.join(missing)} not set while other BLOX_* variables "
-                    "are; set all three (python -m blox.launch does) or none."
-                )
-            source = "environment"
-            address, count, pid = env.values()
-        else:
-            address, count, pid, source = _detect_cluster(timeout)
-            if count is None or count <= 1:
-                if jax.distributed.is_initialized():
-                    return describe()
-                return describe(source="single process")
+        return (
+            given["coordinator_address"],
+            given["num_processes"],
+            given["process_id"],
+            "arguments",
+        )
+    env = {
+        ENV_COORDINATOR: os.environ.get(ENV_COORDINATOR) or None,
+        ENV_NUM_PROCESSES: _int_env(ENV_NUM_PROCESSES),
+        ENV_PROCESS_ID: _int_env(ENV_PROCESS_ID),
+    }
+    if any(v is not None for v in env.values()):
+        missing = [k for k, v in env.items() if v is None]
+        if missing:
+            raise ValueError(
+                f"initialize: {', '.join(missing)} not set while other BLOX_* variables "
+                "are; set all three (python -m blox.launch does) or none."
+            )
+        address, count, pid = env.values()
+        return address, count, pid, "environment"
+    address, count, pid, source = _detect_cluster(timeout)
+    if count is None or count <= 1:
+        return None
+    return address, count, pid, source
 
+
+def _check_rank(count: int, pid: int) -> None:
+    """The group has at least one process and `pid` is one of them."""
     if count < 1:
         raise ValueError(f"initialize: num_processes={count} must be at least 1.")
     if not 0 <= pid < count:
@@ -507,18 +554,21 @@ def initialize(
             f"initialize: process_id={pid} is outside 0..{count - 1} (num_processes={count}); "
             "number the processes from 0."
         )
-    split_address(address)  # validates
-    if count == 1:
-        return describe(source=source)
-    if jax.distributed.is_initialized():
-        joined = (jax.process_index(), jax.process_count())
-        if joined != (pid, count):
-            raise ValueError(
-                f"initialize: already joined as process {joined[0]} of {joined[1]}, now "
-                f"asked to be process {pid} of {count}."
-            )
-        return describe(source=source)
-    devices = _pick_devices(device_ids)
+
+
+def _join(
+    address: str,
+    count: int,
+    pid: int,
+    devices: tuple[int, ...] | None,
+    *,
+    timeout: float,
+    heartbeat: int,
+    shutdown_timeout: int,
+    roll_call_first: bool,
+) -> None:
+    """Joins the group through ``jax.distributed.initialize`` (after the roll call), with
+    Gloo's collectives on CPU unless another implementation is set."""
     if _backends_started():
         raise ValueError(_STARTED)
     if jax.config.jax_cpu_collectives_implementation is None:
@@ -544,8 +594,6 @@ def initialize(
         if "must be called before" in str(e):
             raise ValueError(_STARTED) from e
         raise
-    _install_exit_guard(exit_on_error, os.environ.get(ENV_LAUNCH_DIR), pid)
-    return describe(source=source)
 
 
 _STARTED = (

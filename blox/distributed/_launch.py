@@ -4,6 +4,7 @@ behind ``python -m blox.launch``)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shutil
@@ -229,22 +230,51 @@ def launch(
         )
         for i, rank in enumerate(range(first_process_id, first_process_id + num_processes))
     }
-    listener = None
-    if coordinator_address is None:
-        listener = listen(0)  # held until process 0 takes it over: no other program can
-        address = f"127.0.0.1:{listener.getsockname()[1]}"
-    else:
-        address = coordinator_address
+    listener, address = _coordinator(coordinator_address)
     launch_dir = tempfile.mkdtemp(prefix="blox-launch-")
     lock = threading.Lock()
+    procs = _start_processes(command, devices, base, address, total, listener, launch_dir)
+    threads = _pump_output(procs, stdout, stderr, lock)
+    received: list[int] = []
+    previous = _catch_signals(received)
+    send = functools.partial(_send, procs)
+    first_failure: tuple[int, int] | None = None
+    watch = _Watch(launch_dir, total, join_timeout)
+    try:
+        first_failure = _supervise(
+            procs, grace, kill_after, received, functools.partial(_note, stderr, lock), send, watch
+        )
+    finally:
+        _clean_up(procs, threads, previous, launch_dir, send)
+    if first_failure is not None:
+        return _shell_code(first_failure[1])
+    if received:
+        return 128 + received[0]
+    return 0
 
-    def note(text: str) -> None:
-        with lock:
-            stderr.write(f"[launch] {text}\n")
-            stderr.flush()
 
+def _coordinator(coordinator_address: str | None) -> tuple[socket.socket | None, str]:
+    """The coordinator's ``host:port``, and the socket the launcher holds for it when it
+    picked the port itself (held until process 0 takes it over: no other program can)."""
+    if coordinator_address is not None:
+        return None, coordinator_address
+    listener = listen(0)
+    return listener, f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def _start_processes(
+    command: list[str],
+    devices: dict[int, dict[str, str]],
+    base: dict[str, str],
+    address: str,
+    total: int,
+    listener: socket.socket | None,
+    launch_dir: str,
+) -> dict[int, subprocess.Popen]:
+    """Starts one process per rank of `devices`, each in its own session; process 0
+    inherits the coordinator's `listener`. If a start fails, those started are killed
+    and `launch_dir` removed. The launcher's copy of `listener` is closed either way."""
     procs: dict[int, subprocess.Popen] = {}
-    threads: list[threading.Thread] = []
     try:
         for rank, extra in devices.items():
             child = _child_env(base, address, total, rank, extra, launch_dir)
@@ -269,50 +299,72 @@ def launch(
     finally:
         if listener is not None:
             listener.close()
+    return procs
+
+
+def _pump_output(
+    procs: dict[int, subprocess.Popen], stdout: IO[str], stderr: IO[str], lock: threading.Lock
+) -> list[threading.Thread]:
+    """One daemon thread per process stream, copying its lines prefixed ``[<rank>] ``."""
+    threads: list[threading.Thread] = []
     for rank, proc in procs.items():
         for stream, out in ((proc.stdout, stdout), (proc.stderr, stderr)):
             t = threading.Thread(target=_pump, args=(stream, out, f"[{rank}] ", lock))
             t.daemon = True
             t.start()
             threads.append(t)
+    return threads
 
-    received: list[int] = []
+
+def _note(stderr: IO[str], lock: threading.Lock, text: str) -> None:
+    """Writes a ``[launch] `` line of the launcher's own to `stderr`."""
+    with lock:
+        stderr.write(f"[launch] {text}\n")
+        stderr.flush()
+
+
+def _catch_signals(received: list[int]) -> dict[int, Any]:
+    """From the main thread: SIGINT and SIGTERM are appended to `received` (the supervisor
+    passes them on) instead of stopping the launcher. Returns the handlers replaced."""
+    previous: dict[int, Any] = {}
 
     def on_signal(signum, frame):  # noqa: ARG001
         received.append(signum)
 
-    previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
+    return previous
 
-    def send(sig: int, ranks) -> None:
-        for r in ranks:
-            try:
-                os.killpg(procs[r].pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
 
-    first_failure: tuple[int, int] | None = None
-    watch = _Watch(launch_dir, total, join_timeout)
-    try:
-        first_failure = _supervise(procs, grace, kill_after, received, note, send, watch)
-    finally:
-        leftover = [r for r, p in procs.items() if p.poll() is None]
-        send(signal.SIGKILL, leftover)
-        for p in procs.values():
-            p.wait()
-        send(signal.SIGKILL, procs)  # anything the processes left in their groups
-        for t in threads:
-            t.join(timeout=5.0)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        shutil.rmtree(launch_dir, ignore_errors=True)
-    if first_failure is not None:
-        return _shell_code(first_failure[1])
-    if received:
-        return 128 + received[0]
-    return 0
+def _send(procs: dict[int, subprocess.Popen], sig: int, ranks) -> None:
+    """Sends `sig` to the process groups of `ranks` (those already gone are skipped)."""
+    for r in ranks:
+        try:
+            os.killpg(procs[r].pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _clean_up(
+    procs: dict[int, subprocess.Popen],
+    threads: list[threading.Thread],
+    previous: dict[int, Any],
+    launch_dir: str,
+    send: Callable[[int, Any], None],
+) -> None:
+    """Leaves nothing behind: kills what still runs (and what the processes left in their
+    groups), joins the output threads, restores the signal handlers, removes `launch_dir`."""
+    leftover = [r for r, p in procs.items() if p.poll() is None]
+    send(signal.SIGKILL, leftover)
+    for p in procs.values():
+        p.wait()
+    send(signal.SIGKILL, procs)  # anything the processes left in their groups
+    for t in threads:
+        t.join(timeout=5.0)
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    shutil.rmtree(launch_dir, ignore_errors=True)
 
 
 class _Watch:
@@ -452,8 +504,8 @@ def _supervise(
     return first_failure
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m blox.launch``: parses the command line and calls `launch`."""
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m blox.launch``."""
     parser = argparse.ArgumentParser(
         prog="python -m blox.launch",
         description=(
@@ -492,6 +544,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kill-after", type=float, default=5.0, help="seconds before SIGKILL")
     parser.add_argument("-m", dest="module", default=None, help="run a module, like python -m")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...]")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m blox.launch``: parses the command line and calls `launch`."""
+    parser = _parser()
     args = parser.parse_args(argv)
     command = ["-m", args.module, *args.command] if args.module else list(args.command)
     if not command:
