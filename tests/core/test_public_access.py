@@ -20,19 +20,9 @@ import blox as bx
 # The private attributes and helpers of `Params` (blox/core/_params.py).
 PRIVATE = {"_get_value", "_struct", "_values", "_info", "_set", "_make", "_from_items"}
 
-# Core-level code that reads or rebuilds the flat storage in bulk for speed: the
-# container's own package, the checkpoint targets/dicts/descriptions, and the sharding
-# rules and data-parallel (DP, FSDP) gradients of blox.parallel. Everything else (every layer) uses
-# the public API.
-ALLOWED = {
-    "blox/core",
-    "blox/ckpt/_describe.py",
-    "blox/ckpt/_dicts.py",
-    "blox/ckpt/_targets.py",
-    "blox/parallel/_dp.py",
-    "blox/parallel/_fsdp.py",
-    "blox/parallel/_rules.py",
-}
+# Only the container's own package reads or rebuilds the flat storage; every other
+# package (checkpoints, rules, DP, FSDP, every layer) uses the public API.
+ALLOWED = {"blox/core"}
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
