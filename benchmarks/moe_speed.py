@@ -8,8 +8,10 @@ Run::
 For each E in {8, 32} experts and k in {1, 2} experts per token, one forward and
 backward step (gradients of ``sum(y * c)`` with respect to every parameter) of:
 
-* **moe**: ``bx.MoE(E, F, top_k=k)``, dropless (``jax.lax.ragged_dot`` over the tokens
-  sorted by expert): each token's k chosen experts only;
+* **moe**: ``bx.MoE(E, F, top_k=k)``, dropless: each token's k chosen experts only, the
+  tokens sorted by expert and multiplied by the tiled grouped matmul (XLA:CPU);
+* **moe ragged_dot**: the same layer through ``jax.lax.ragged_dot`` (what it runs on
+  other backends; XLA:CPU runs it as about one full matmul per expert);
 * **loop**: the same math in plain JAX, a Python loop over the E experts, each run on
   every token and weighted by its gate (0 where the token did not choose it): E / k
   times the expert FLOPs, the cost of writing an MoE without grouped matmuls;
@@ -33,6 +35,7 @@ import numpy as np
 from _timing import Contender, CountArgs, Pair, log
 
 import blox as bx
+from blox.nn import _moe
 
 COUNTS = CountArgs(steps=10, warmup=2, quick_steps=2, quick_warmup=1, rounds=5)
 CONFIGS = [(8, 1), (8, 2), (32, 1), (32, 2)]
@@ -83,19 +86,29 @@ def build(e: int, k: int, tokens: int, d: int, f: int):
     steps = {}
     for name, fn, weights in (
         ("moe", moe_objective, w),
+        ("moe ragged_dot", moe_objective, w),
         ("loop", loop_objective, w),
         ("dense", dense_objective, dense),
     ):
         step = jax.jit(jax.value_and_grad(fn, has_aux=True))
         steps[name] = (step, weights)
+    limit = _moe._TILED_MAX_BYTES
+    _moe._TILED_MAX_BYTES = 0  # compiled now, with ragged_dot; later calls reuse it
+    try:
+        (_, y_r), g_r = steps["moe ragged_dot"][0](w, x)
+    finally:
+        _moe._TILED_MAX_BYTES = limit
     (_, y_m), g_m = steps["moe"][0](w, x)
     (_, y_l), g_l = steps["loop"][0](w, x)
-    np.testing.assert_allclose(np.asarray(y_m), np.asarray(y_l), rtol=1e-4, atol=1e-5)
-    for n in w:
-        np.testing.assert_allclose(
-            np.asarray(g_m[n]), np.asarray(g_l[n]), rtol=1e-4, atol=1e-5, err_msg=n
-        )
-    check = f"E={e}, k={k}: moe and loop outputs and all gradients agree (rtol 1e-4)"
+    for y, grads in ((y_l, g_l), (y_r, g_r)):
+        np.testing.assert_allclose(np.asarray(y_m), np.asarray(y), rtol=1e-4, atol=1e-5)
+        for n in w:
+            np.testing.assert_allclose(
+                np.asarray(g_m[n]), np.asarray(grads[n]), rtol=1e-4, atol=1e-5, err_msg=n
+            )
+    check = (
+        f"E={e}, k={k}: moe, moe ragged_dot and loop outputs and all gradients agree (rtol 1e-4)"
+    )
     contenders = [
         Contender(f"{name} E={e} k={k}", lambda s=s, p=p: s(p, x)[0][0])
         for name, (s, p) in steps.items()
@@ -121,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         pairs += [
             Pair(f"moe / loop, {tag}", f"moe {tag}", f"loop {tag}"),
             Pair(f"moe / dense, {tag}", f"moe {tag}", f"dense {tag}"),
+            Pair(f"moe / moe ragged_dot, {tag}", f"moe {tag}", f"moe ragged_dot {tag}"),
         ]
     pairs = _timing.compare_and_log(results, pairs)
     rows = []
     for i, (e, k) in enumerate(CONFIGS):
-        loop, dense = pairs[2 * i], pairs[2 * i + 1]
+        loop, dense, ragged = pairs[3 * i : 3 * i + 3]
         per_s = lambda us: f"{tokens / us * 1e6:,.0f}"  # noqa: E731
         rows.append(
             [
@@ -139,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                 per_s(dense.den_us),
                 f"**{loop.min_ratio:.3f}x** ({loop.median_ratio:.3f}x)",
                 f"**{dense.min_ratio:.3f}x** ({dense.median_ratio:.3f}x)",
+                f"{ragged.den_us:,.0f}",
+                f"**{ragged.min_ratio:.3f}x** ({ragged.median_ratio:.3f}x)",
             ]
         )
     header = [
@@ -152,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         "dense tokens/s",
         "moe / loop",
         "moe / dense",
+        "ragged_dot us",
+        "moe / ragged_dot",
     ]
     quick = "shapes and counts shrunk, numbers meaningless" if args.quick else None
     lines = [
@@ -160,11 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         ),  # fmt: skip
         f"One forward + backward step (gradients of `sum(y * c)` for every parameter) on one "
         f"device, {tokens} tokens of width D={d}, SwiGLU experts of hidden size F={f}: "
-        "**moe** `bx.MoE(E, F, top_k=k)` dropless (`ragged_dot` over the tokens sorted by "
-        "expert); **loop** the same math by hand, every expert on every token weighted by "
-        "its gate (0 where not chosen); **dense** a SwiGLU MLP of hidden size k F (the "
-        "same active parameters per token). Ratios: median over rounds of the per-round "
-        "minima (of the medians in brackets); below 1 the MoE is faster.",
+        "**moe** `bx.MoE(E, F, top_k=k)` dropless (the tokens sorted by expert, the tiled "
+        "grouped matmul it runs on XLA:CPU); **ragged_dot** the same layer through "
+        "`jax.lax.ragged_dot` (its path on other backends); **loop** the same math by "
+        "hand, every expert on every token weighted by its gate (0 where not chosen); "
+        "**dense** a SwiGLU MLP of hidden size k F (the same active parameters per token). "
+        "Ratios: median over rounds of the per-round minima (of the medians in brackets); "
+        "below 1 the MoE is faster.",
         "",
         _timing.format_table(header, rows),
         "",
