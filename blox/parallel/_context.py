@@ -95,7 +95,10 @@ def balance_sequence(tree: Any, num_shards: int, *, axis: int = 1) -> Any:
     the result contiguously over C devices gives device r the chunks r and 2C-1-r: one
     early and one late chunk, hence the same causal work on every device. Apply it to
     everything that is laid out along the sequence (tokens, targets, masks, segment ids)
-    and to the positions, which `ring_attention` then reads for the causal mask::
+    and to the positions, which `ring_attention` then reads for the causal mask. Do it
+    on the global batch before placing it on the mesh (on the host, as a data pipeline
+    does): on an array already sharded along the sequence the permutation would move
+    data between devices (on an Explicit mesh JAX asks for an ``out_sharding``)::
 
         positions = bp.balance_sequence(jnp.arange(T), C, axis=0)   # (T,)
 
@@ -207,13 +210,14 @@ def _metadata(
     names: tuple[str, ...],
     b: int,
     t: int,
+    causal: bool,
     positions: Any,
     segment_ids: Any,
     key_mask: Any,
 ) -> tuple[jax.Array, jax.Array, bool]:
     """The query metadata ``(B, T, 2)`` (position, segment) and this device's key
     metadata ``(B, T, 3)`` (position, segment, valid), int32; and whether the keys'
-    metadata must be gathered (anything but the default contiguous positions)."""
+    metadata must be gathered (segments, a key mask, or causal with given positions)."""
     axis = names if len(names) > 1 else names[0]
     r = jax.lax.axis_index(axis).astype(jnp.int32)
     if positions is None:
@@ -225,7 +229,7 @@ def _metadata(
     pos, seg, valid = (jnp.broadcast_to(a.astype(jnp.int32), (b, t)) for a in (pos, seg, valid))
     qmeta = jnp.stack([pos, seg], axis=-1)
     kmeta = jnp.stack([pos, seg, valid], axis=-1)
-    gather = positions is not None or segment_ids is not None or key_mask is not None
+    gather = (causal and positions is not None) or segment_ids is not None or key_mask is not None
     return qmeta, kmeta, gather
 
 
@@ -531,15 +535,15 @@ def ring_attention(
     Returns:
       ``(B, T, N, H)`` in q's dtype, and the plan if `return_plan`.
 
-    Passing positions, segment ids or a key mask adds one all-gather of their int32
-    values, ``(B, T, 3)`` per device; the default contiguous positions need none.
+    Segment ids, a key mask or (with `causal`) positions add one all-gather of their
+    int32 values, ``(B, T, 3)`` per device; the default contiguous positions need none.
     """
     names, q, k, v = _check_inputs(
         "ring_attention", q, k, v, axis, positions, segment_ids, key_mask, num_blocks
     )
     b, t, n, h = q.shape
     c = _axis_size(names)
-    qmeta, kmeta, gather = _metadata(names, b, t, positions, segment_ids, key_mask)
+    qmeta, kmeta, gather = _metadata(names, b, t, bool(causal), positions, segment_ids, key_mask)
     kmeta_all = _all_key_metadata(names, kmeta, gather, c)
     r = jax.lax.axis_index(names if len(names) > 1 else names[0]).astype(jnp.int32)
     plan = _plan(qmeta, kmeta_all, r, c, num_blocks, bool(causal))
@@ -591,7 +595,7 @@ def allgather_attention(
     g = n // kh
     c = _axis_size(names)
     sd = _stats_dtype(q.dtype)
-    qmeta, kmeta, gather = _metadata(names, b, t, positions, segment_ids, key_mask)
+    qmeta, kmeta, gather = _metadata(names, b, t, bool(causal), positions, segment_ids, key_mask)
     kmeta_all = _all_key_metadata(names, kmeta, gather, c)
     kmeta_all = jnp.moveaxis(kmeta_all, 0, 1).reshape(b, c * t, 3)
     kv = jax.lax.all_gather(jnp.stack([k, v]), ax, axis=2, tiled=True)  # (2, B, C T, K, H)
