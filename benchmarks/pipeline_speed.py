@@ -1,6 +1,6 @@
 """Pipeline parallelism: GPipe vs 1F1B (plain, and with slots of one backward or two
-forwards) vs interleaved 1F1B (v = 2) vs ZB-H1 (zero bubble) vs the same model run
-sequentially, p = 4 stages.
+forwards) vs interleaved 1F1B (v = 2) vs ZB-H1 and ZB-V (zero bubble) vs the same model
+run sequentially, p = 4 stages.
 
 Run (``make bench``)::
 
@@ -12,11 +12,13 @@ the pipeline runs on a 4-device ``stage`` mesh, the sequential model on one devi
 Model: ``first_fn`` a Linear embedding (16 -> D), 2p = 8 identical residual MLP blocks
 (``h + W2 gelu(W1 LayerNorm(h))``, D -> 2D -> D), ``last_fn`` a Linear head (D -> 16) and
 the mean squared error. A stage runs two blocks (GPipe, 1F1B, ZB-H1); the interleaved
-schedule cuts the same 8 blocks into v p = 8 chunks of one block (two per device). Each
+schedule and ZB-V cut the same 8 blocks into v p = 8 chunks of one block (two per device;
+ZB-V's in a V: device s runs blocks s and 7 - s, stacked in its ``stacking_order``). Each
 microbatch has ``R`` rows, so the global batch is ``R m`` and both the work and GPipe's
 stash grow with ``m``. One timed call = loss and gradients of one global batch
 (``bp.pipeline_value_and_grad`` for GPipe, 1F1B, ``'1f1b-2f'`` (1F1B whose slots hold
-one backward or two forwards), ``'interleaved'`` with ``virtual_stages=2`` and ``'zb'``;
+one backward or two forwards), ``'interleaved'`` with ``virtual_stages=2``, ``'zb'`` and
+``'zbv'``;
 ``jax.value_and_grad`` of the blocks run one after the other for the sequential model).
 Before timing, the script asserts the loss and every gradient of every schedule equal the
 sequential ones (the same blocks stacked the schedule's way; rtol 1e-5, highest matmul
@@ -24,7 +26,7 @@ precision).
 
 ``--json FILE`` also writes one record per schedule and m: ``schedule``, ``m``,
 ``step_s_per_microbatch``, ``temp_bytes``, ``table_idle`` (the table with B = 2 F, or
-F = B = W for ``zb``), ``busy_fraction`` (from the measured cells), and the slowest
+F = B = W for ``zb`` and ``zbv``), ``busy_fraction`` (from the measured cells), and the slowest
 stage's cells in seconds: ``cell_f_s``, ``cell_b_s`` / ``cell_w_s`` (the runtime's own
 split backward's B and W, measured from the stash; null without a split) and
 ``cell_backward_s`` (the same stage's fused backward, the reference for B + W).
@@ -76,14 +78,14 @@ COUNTS = CountArgs(steps=10, warmup=2, quick_steps=2, quick_warmup=1, rounds=5)
 P_STAGES, D_IO = 4, 16
 PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "img",
                     "pipeline_memory.png")  # fmt: skip
-SCHEDULES = ("gpipe", "1f1b", "1f1b-2f", "interleaved", "zb")
+SCHEDULES = ("gpipe", "1f1b", "1f1b-2f", "interleaved", "zb", "zbv")
 V_CHUNKS = 2  # the interleaved schedule's chunks per device
 BLOCKS = V_CHUNKS * P_STAGES  # residual MLP blocks in all: 2 per stage, 1 per chunk
-STYLES = ("o-", "s-", "d-", "v-", "x-")  # plot markers, one per schedule
+STYLES = ("o-", "s-", "d-", "v-", "x-", "*-")  # plot markers, one per schedule
 
 
 def _virtual(name: str) -> int:
-    return V_CHUNKS if name == "interleaved" else 1
+    return V_CHUNKS if name in ("interleaved", "zbv") else 1
 
 
 def table_of(name: str, m: int):
@@ -94,6 +96,8 @@ def table_of(name: str, m: int):
         return bp.interleaved_schedule(P_STAGES, m, V_CHUNKS)
     if name == "zb":
         return bp.zero_bubble_schedule(P_STAGES, m)
+    if name == "zbv":
+        return bp.zero_bubble_v_schedule(P_STAGES, m)
     return bp.one_f_one_b_schedule(P_STAGES, m, forwards_per_slot=2 if name == "1f1b-2f" else 1)
 
 
@@ -151,8 +155,24 @@ def build_model(width: int):
             functools.reduce(lambda a, b: a.merge(b), [init(c * k + j, j) for j in range(k)])
             for c in range(v * P_STAGES)
         ]
-        layouts[v] = (stage_fn, bp.stack_stages([c.locked() for c in chunks], virtual_stages=v))
+        layouts[v] = (stage_fn, [c.locked() for c in chunks])
     return first_fn, last_fn, shared, layouts
+
+
+def stacked(chunks, order):
+    """The model stages `chunks` stacked in a schedule's `stacking_order`."""
+    v = len(chunks) // P_STAGES
+    return bp.stack_stages([chunks[k] for k in order], virtual_stages=v)
+
+
+def model_order(tree, order, v: int):
+    """Stage-stacked leaves (as a schedule's `stacking_order` stacks them) restacked in
+    model order."""
+    if list(order) == sorted(order):
+        return tree
+    parts = bp.unstack_stages(tree, virtual_stages=v)
+    return bp.stack_stages([parts[list(order).index(k)] for k in range(len(order))],
+                           virtual_stages=v)  # fmt: skip
 
 
 def _model_stage(stage_params, k: int, v: int):
@@ -391,10 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     width, rows = 128, 64
     ms = [8, 32] if args.quick else [4, 8, 16, 32, 64]
     mesh = bp.make_mesh((P_STAGES,), ("stage",), devices=jax.devices()[:P_STAGES])
-    first_fn, last_fn, shared, layouts = build_model(width)
+    first_fn, last_fn, shared, chunked = build_model(width)
+    # the stages stacked in model order, per chunks per device
+    layouts = {v: (fn, stacked(chunks, range(len(chunks)))) for v, (fn, chunks) in chunked.items()}
     # the sequential model, timed with the stages' layout; the references per layout
     seqs = {v: jax.jit(sequential_step(first_fn, layouts[v][0], last_fn, v)) for v in layouts}
-    seq, stacked = seqs[1], layouts[1][1]
+    seq, seq_params = seqs[1], layouts[1][1]
     contenders, mem, checks, idle, copies, slots = [], {}, [], {}, {}, {}
     with jax.default_matmul_precision("highest"):
         busy = {
@@ -413,13 +435,15 @@ def main(argv: list[str] | None = None) -> int:
             x = jnp.asarray(r.normal(size=(rows * m, D_IO)), jnp.float32)
             y = jnp.asarray(r.normal(size=(rows * m, D_IO)), jnp.float32)
             refs = {v: seqs[v](layouts[v][1], shared, x, y) for v in layouts}
-            mem["sequential", m] = seq.lower(stacked, shared, x, y).compile().memory_analysis()
+            mem["sequential", m] = seq.lower(seq_params, shared, x, y).compile().memory_analysis()
             contenders.append(
-                Contender(f"seq m={m}", lambda x=x, y=y: seq(stacked, shared, x, y)[0])
+                Contender(f"seq m={m}", lambda x=x, y=y: seq(seq_params, shared, x, y)[0])
             )
             for name in SCHEDULES:
                 v = _virtual(name)
-                stage_fn, params = layouts[v]
+                sched = table_of(name, m)
+                stage_fn, chunks = chunked[v]
+                params = stacked(chunks, sched.stacking_order)
                 ref_loss, (ref_g, ref_g_sh) = refs[v]
                 fn = jax.jit(bp.pipeline_value_and_grad(
                     stage_fn, last_fn, mesh, schedule=name, num_microbatches=m,
@@ -428,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                 mem[name, m] = compiled.memory_analysis()
                 copies[name, m] = copy_count(compiled)
                 loss, (g, g_sh), _ = fn(params, shared, x, y)
+                g = model_order(g, sched.stacking_order, v)
                 err = max(
                     float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
                     for a, b in zip(
@@ -441,7 +466,6 @@ def main(argv: list[str] | None = None) -> int:
                     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
                 checks.append(f"{name} m={m}: loss rel. error {rel:.1e}, max |grad diff| / max "
                               f"|grad| per leaf {err:.1e} vs the sequential model")  # fmt: skip
-                sched = table_of(name, m)
                 slots[name, m] = sched.num_slots
                 # the table with a backward of two forwards (ZB-H1: B and W one each)
                 table_idle = (
@@ -466,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         + [
             Pair(f"{n} vs 1f1b m={m}", f"{n} m={m}", f"1f1b m={m}")
             for m in ms
-            for n in ("interleaved", "zb")
+            for n in ("interleaved", "zb", "zbv")
         ],
     )
     ratio = {p.name: p for p in pairs}
@@ -495,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{ratio[f'packed m={m}'].median_ratio:.2f}x",
             f"{ratio[f'interleaved vs 1f1b m={m}'].median_ratio:.2f}x",
             f"{ratio[f'zb vs 1f1b m={m}'].median_ratio:.2f}x",
+            f"{ratio[f'zbv vs 1f1b m={m}'].median_ratio:.2f}x",
         ])  # fmt: skip
         log(" | ".join(str(c) for c in busy_rows[-1]))
     if args.plot:
@@ -511,19 +536,22 @@ def main(argv: list[str] | None = None) -> int:
     b = {v: {k: " / ".join(f"{t:.0f}" for t in ts) for k, ts in bv.items()}
          for v, bv in busy.items()}  # fmt: skip
     lines = [
-        f"## Pipeline parallelism: GPipe vs 1F1B vs interleaved vs ZB-H1 vs sequential, "
-        f"p = {P_STAGES}",
+        f"## Pipeline parallelism: GPipe vs 1F1B vs interleaved vs ZB-H1 vs ZB-V vs "
+        f"sequential, p = {P_STAGES}",
         "",
         "Schedules: `gpipe`, `1f1b` (one action per slot), `1f1b-2f` (1F1B whose slots "
         "hold one backward or two forwards: `one_f_one_b_schedule(p, m, forwards_per_slot=2)`), "
         f"`interleaved` (interleaved 1F1B, {V_CHUNKS} chunks per device: "
-        f"`interleaved_schedule(p, m, {V_CHUNKS})`) and `zb` (ZB-H1, the backward split into "
-        "the input-gradient B and the weight-gradient W: `zero_bubble_schedule(p, m)`).",
+        f"`interleaved_schedule(p, m, {V_CHUNKS})`), `zb` (ZB-H1, the backward split into "
+        "the input-gradient B and the weight-gradient W: `zero_bubble_schedule(p, m)`) and "
+        "`zbv` (ZB-V, two chunks per device in a V, the backward split: "
+        "`zero_bubble_v_schedule(p, m)`).",
         "",
         *_timing.run_header(env, started, command),
         f"- Model: Linear embedding {D_IO} -> {width} (stage 0), {BLOCKS} residual MLP "
         f"blocks (LayerNorm, {width} -> {2 * width} -> {width}, gelu), two per stage (one per "
-        f"chunk for `interleaved`), Linear head -> {D_IO} and MSE (the last stage); {rows} "
+        f"chunk for `interleaved` and `zbv`), Linear head -> {D_IO} and MSE (the last stage); "
+        f"{rows} "
         "rows per microbatch, so the global batch (and the work) grows with m. One step = "
         f"loss + all gradients; pipelines on a {P_STAGES}-device `stage` mesh "
         "(`bp.pipeline_value_and_grad`), the sequential model (`jax.value_and_grad`, blocks "
@@ -544,8 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Busy fraction (1 - idle) of the slot-synchronous runtime, from the measured cell "
         "times placed in each schedule's table (see below), next to the textbook "
-        "1 - (p-1)/(m+p-1); and the measured step times of `1f1b-2f`, `interleaved` and `zb` "
-        "over plain `1f1b` (median over rounds of the same-round ratio):",
+        "1 - (p-1)/(m+p-1); and the measured step times of `1f1b-2f`, `interleaved`, `zb` "
+        "and `zbv` over plain `1f1b` (median over rounds of the same-round ratio):",
         "",
         _timing.format_table(
             [
@@ -555,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
                 "step time 1f1b-2f / 1f1b",
                 "step time interleaved / 1f1b",
                 "step time zb / 1f1b",
+                "step time zbv / 1f1b",
             ],
             busy_rows,
         ),  # fmt: skip
@@ -567,8 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         "cells of the schedule the runtime follows with a forward of 1 and a backward of 2 "
         "on every stage (`Schedule.idle_fraction(1, 2)`: the textbook bubble for GPipe, more "
         "for plain 1F1B, whose slots pair a forward on one stage with a backward on the "
-        "next; for `zb` B = W = 1, `idle_fraction(1, 1, 1)`; `interleaved` counts chunk "
-        "cells); "
+        "next; for `zb` and `zbv` B = W = 1, `idle_fraction(1, 1, 1)`; `interleaved` and "
+        "`zbv` count chunk cells); "
         "*busy-time weighted* puts the measured forward / backward times above into the "
         "table's cells and, since every slot ends with a `ppermute` (slot-synchronous), lets "
         "each slot last as long as its slowest cell: idle = 1 - sum(busy) / (p x sum of the "
@@ -592,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         f"2 (p - 1) + (v - 1) p + 1 chunk stashes of half a stage (the bound "
         f"1 + (p - 1)/(v p) = {1 + (P_STAGES - 1) / (V_CHUNKS * P_STAGES):.3f} x 1F1B's); `zb` "
         "p microbatches from F to W (B writes what W needs over stash arrays W does not "
-        "read). Plot: "
+        "read), `zbv` up to 2 p chunk-microbatches of half a stage. Plot: "
         "`docs/img/pipeline_memory.png`.",
         "",
         *_timing.same_math_section(checks),
@@ -614,7 +643,7 @@ def slowest_cells(name, busy, cells) -> dict:
              for k in ("first", "mid", "last")}  # fmt: skip
     kind = max(extra, key=lambda k: sum(extra[k]))
     f, b = extra[kind]
-    split = name == "zb"
+    split = name in ("zb", "zbv")
     return {
         "cell_f_s": c["F"] + f,
         "cell_b_s": c["B"] + b if split else None,

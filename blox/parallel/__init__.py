@@ -20,7 +20,7 @@ behind the user's back.
 * Per-device RNG streams: `fold_seeds`, `restore_seeds`.
 * Pipeline parallelism: `pipeline_value_and_grad`, `stack_stages`, `unstack_stages`,
   `Schedule`, `Action`, `Program`, `gpipe_schedule`, `one_f_one_b_schedule`,
-  `interleaved_schedule`, `zero_bubble_schedule`.
+  `interleaved_schedule`, `zero_bubble_schedule`, `zero_bubble_v_schedule`.
 """
 
 from blox.parallel._collectives import all_gather as all_gather
@@ -66,6 +66,7 @@ from blox.parallel._schedules import gpipe_schedule as gpipe_schedule
 from blox.parallel._schedules import interleaved_schedule as interleaved_schedule
 from blox.parallel._schedules import one_f_one_b_schedule as one_f_one_b_schedule
 from blox.parallel._schedules import zero_bubble_schedule as zero_bubble_schedule
+from blox.parallel._schedules import zero_bubble_v_schedule as zero_bubble_v_schedule
 from blox.parallel._tp import ColumnParallelLinear as ColumnParallelLinear
 from blox.parallel._tp import ParallelMLP as ParallelMLP
 from blox.parallel._tp import ParallelMultiHeadAttention as ParallelMultiHeadAttention

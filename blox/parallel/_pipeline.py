@@ -511,8 +511,8 @@ class _SplitBackward(NamedTuple):
       keep: the keys B keeps for W.
       slots: per kept value, the stash array of the microbatch's entry B overwrites with
         it (the stash entry lives until W; a value the stash had no free array of its
-        type for: None, kept in the ``wgrad`` buffer from B to W).
-      extra_avals: the types of the values kept in the ``wgrad`` buffer.
+        type for: None, kept in the ``kept`` buffer from B to W).
+      extra_avals: the types of the values kept in the ``kept`` buffer.
       row_major: run the products on row-major operands (XLA:CPU; `_product`).
       swapped: the products `_product` runs swapped (`_swapped_products`).
     """
@@ -620,19 +620,7 @@ def _split_backward(
             a, k = (src.aval if isinstance(src, Literal) else avals.get(src)), src
         return a
 
-    # Each kept value goes to a stash array of its type that W does not read (a stashed
-    # value W reads stays where it is).
-    kind = lambda a: (tuple(a.shape), a.dtype, _aval_vma(a))  # noqa: E731
-    res_keys = list(ins[:n_res])
-    slots: list = [res_keys.index(k) if k in res_in else None for k in keep]
-    free = [j for j, k in enumerate(res_keys) if k not in keep]
-    for i, k in enumerate(keep):
-        if slots[i] is None:
-            j = next((j for j in free if kind(stash[j].aval if hasattr(stash[j], "aval")
-                      else jax.typeof(stash[j])) == kind(aval(k))), None)  # fmt: skip
-            if j is not None:
-                free.remove(j)
-                slots[i] = j
+    slots = _reuse_stash(keep, list(ins[:n_res]), [jax.typeof(x) for x in stash], aval)
     extra = tuple(aval(k) for k, j in zip(keep, slots, strict=True) if j is None)
     return _SplitBackward(
         tuple(eqns), cvals, tuple(ins), tuple(outs), n_res, n_tr, out_tree, tuple(b), tuple(w),
@@ -704,6 +692,22 @@ def _swapped_products(eqns: list, outs: list) -> frozenset:
     return frozenset(found)
 
 
+def _reuse_stash(keep: list, res_keys: list, stash_avals: list, aval: Callable) -> list:
+    """Per kept value, the stash array B writes it over: a stashed value W reads stays
+    where it is; another goes to a free array of its type that W does not read (the
+    stash entry lives until W), else None (the ``kept`` buffer)."""
+    kind = lambda a: (tuple(a.shape), a.dtype, _aval_vma(a))  # noqa: E731
+    slots = [res_keys.index(k) if k in res_keys else None for k in keep]
+    free = [j for j, k in enumerate(res_keys) if k not in keep]
+    for i, k in enumerate(keep):
+        if slots[i] is None:
+            j = next((j for j in free if kind(stash_avals[j]) == kind(aval(k))), None)
+            if j is not None:
+                free.remove(j)
+                slots[i] = j
+    return slots
+
+
 def _run_eqns(sb: _SplitBackward, env: dict, which: tuple) -> None:
     """Evaluates the equations `which` of `sb` into `env` (``{key: value}``); with
     `sb.row_major`, the products on row-major operands (`_product`)."""
@@ -747,9 +751,9 @@ def _backward_weight(sb: _SplitBackward, pres: list, kept: list) -> Params:
 # The columns of `Schedule.program()` the runtime reads per action, in this order (one
 # int32 array (T, p, lanes, 9) indexed once per slot).
 _COLUMNS = (
-    "kind", "microbatch", "chunk", "stash", "inbox_f", "inbox_b", "send_f", "send_b", "wgrad"
+    "kind", "microbatch", "chunk", "stash", "inbox_f", "inbox_b", "send_f", "send_b", "kept"
 )  # fmt: skip
-_KIND, _MB, _CHUNK, _STASH, _IN_F, _IN_B, _SEND_F, _SEND_B, _WGRAD = range(len(_COLUMNS))
+_KIND, _MB, _CHUNK, _STASH, _IN_F, _IN_B, _SEND_F, _SEND_B, _KEPT = range(len(_COLUMNS))
 
 
 class _Ctx(NamedTuple):
@@ -763,6 +767,7 @@ class _Ctx(NamedTuple):
     split_bwd: _SplitBackward | None  # what B and W each run (split tables)
     num_stages: int  # p devices
     num_virtual: int  # v * p virtual stages
+    virtual: jax.Array  # (v, p) int32: the virtual stage of each chunk of each device
     stage: jax.Array  # this device's index on the stage axis
     n: int  # m D: an unweighted microbatch's loss enters the sums as loss / n
     reduce: Any  # reduce_dtype (None: float32 for 16-bit floats)
@@ -786,7 +791,7 @@ class _Buffers(NamedTuple):
     stash: tuple[list, Params]
     inbox_f: Any
     inbox_b: Any
-    wgrad: Any
+    kept: Any
 
 
 class _Acc(NamedTuple):
@@ -924,7 +929,7 @@ def _backward_cell(c: _Ctx, x: _CellIn) -> _CellOut:
 
 def _weight_cell(c: _Ctx, x: _CellIn) -> _CellOut:
     """The weight half of a split backward: the chunk's gradient from what its B kept
-    in the stash entry (and in the ``wgrad`` entry), no cotangent derived again."""
+    in the stash entry (and in the ``kept`` entry), no cotangent derived again."""
     res, _ = x.stash_in
     extra = iter(x.kept)
     kept = [next(extra) if j is None else res[j] for j in c.split_bwd.slots]
@@ -965,9 +970,10 @@ class _Sends(NamedTuple):
     groups: int
 
 
-def _send_plan(table: np.ndarray, p: int, v: int) -> _Sends:
+def _send_plan(table: np.ndarray, sched: Schedule) -> _Sends:
     """`_Sends` from the program's columns (``table``: ``(T, p, lanes, 9)``)."""
-    n_slots, _, lanes, _ = table.shape
+    n_slots, p, lanes, _ = table.shape
+    nv = p * sched.virtual_stages
     keys: dict[Any, int] = {}
     pattern = np.zeros(n_slots, np.int32)
     per_slot = []
@@ -976,11 +982,11 @@ def _send_plan(table: np.ndarray, p: int, v: int) -> _Sends:
         for s in range(p):
             for lane in range(lanes):
                 a = table[t, s, lane]
-                vs = a[_CHUNK] * p + s
-                if a[_KIND] == FORWARD and vs < v * p - 1:
-                    send = (s, (s + 1) % p, lane, 1, int(a[_SEND_F]))
+                vs = sched.virtual_stage(s, int(a[_CHUNK]))
+                if a[_KIND] == FORWARD and vs < nv - 1:
+                    send = (s, sched.device_of(vs + 1)[0], lane, 1, int(a[_SEND_F]))
                 elif a[_KIND] == BACKWARD and vs > 0:
-                    send = (s, (s - 1) % p, lane, 2, int(a[_SEND_B]))
+                    send = (s, sched.device_of(vs - 1)[0], lane, 2, int(a[_SEND_B]))
                 else:
                     continue
                 for g in groups:
@@ -1061,12 +1067,12 @@ def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, a: jax.Array, pr
     cells that compute a gradient add to it; forward and idle cells pass it through);
     returns the cell's output and whether it ran on the last virtual stage."""
     kind, chunk = a[_KIND], a[_CHUNK]
-    vs = chunk * c.num_stages + c.stage
+    vs = c.virtual[chunk, c.stage]
     first, last = vs == 0, vs == c.num_virtual - 1
     x = _CellIn(
         _take(bufs.inbox_f, a[_IN_F]),
         _take(bufs.inbox_b, a[_IN_B]),
-        _take(bufs.wgrad, a[_WGRAD]) if c.split else [],
+        _take(bufs.kept, a[_KEPT]) if c.split else [],
         _take(bufs.stash, a[_STASH]),
         _take(xs, a[_MB]),
         _take(ys, a[_MB]),
@@ -1089,7 +1095,7 @@ def _lane(c: _Ctx, xs: Any, ys: Any, bufs: _Buffers, acc: _Acc, a: jax.Array, pr
     # less than a select between the old and the new entry)
     bufs = bufs._replace(stash=_put(bufs.stash, a[_STASH], out.stash_out))
     if c.split:  # what B keeps for its W (the other cells write back what they read)
-        bufs = bufs._replace(wgrad=_put(bufs.wgrad, a[_WGRAD], out.kept))
+        bufs = bufs._replace(kept=_put(bufs.kept, a[_KEPT], out.kept))
     acc = _Acc(
         _set_row(c, acc.g, chunk, out.g),
         out.g_sh,
@@ -1125,9 +1131,9 @@ def _axes(tree: Any) -> tuple[str, ...]:
 
 
 def _aval_vma(aval: Any) -> tuple[str, ...]:
-    """The varying axes of an abstract value from ``jax.make_jaxpr``."""
-    mat = getattr(aval, "mat", None)
-    return tuple(getattr(mat, "varying", ()) if mat is not None else getattr(aval, "vma", ()))
+    """The varying axes of an abstract value (a ``ShapedArray`` from ``jax.make_jaxpr``),
+    sorted: ``aval.manual_axis_type.varying``."""
+    return tuple(sorted(aval.manual_axis_type.varying))
 
 
 def _stash_avals(layout: _Layout) -> list:
@@ -1404,46 +1410,75 @@ def _acc_zeros(tree: Any, reduce: Any) -> Any:
     )
 
 
-def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
-    """One device: its chunks' params (leaves ``(1, ...)``, or ``(v, 1, ...)`` with
-    virtual stages), the shared params, its data shard."""
-    sched, fns, axis = cfg.schedule, cfg.fns, cfg.stage_axis
-    p, m, v = sched.num_stages, sched.num_microbatches, sched.virtual_stages
-    axes = (axis,) if cfg.data_axis is None else (axis, cfg.data_axis)
-    stage = lax.axis_index(axis)
-    # Every device computes its own values: vary everything over the stage and data axes
-    # (no collective inside a cell; gradients are reduced once at the end). The model
-    # axis (TP layers inside the stage) keeps its types, so autodiff sums over it.
-    # Internally a device's stage leaves are (v, ...): row c is its chunk c.
-    rows = (lambda x: x) if v == 1 else (lambda x: x[:, 0])
+def _device_axes(cfg: _Static) -> tuple[str, ...]:
+    """The axes every value inside the step varies over: the stage and data axes."""
+    return (cfg.stage_axis,) if cfg.data_axis is None else (cfg.stage_axis, cfg.data_axis)
+
+
+class _Local(NamedTuple):
+    """One device's share of the step's arguments, typed as varying over the stage and
+    data axes: its chunks' trainable params (leaves ``(v, ...)``: row ``c`` is chunk
+    ``c``; FSDP leaves marked for `fsdp_call`) and state, the shared ones, its
+    microbatches ``(m, b / m, ...)`` and the `Rng` seeds folded with the data index (to
+    restore)."""
+
+    tr: Params
+    st: Params
+    tr_sh: Params
+    st_sh: Params
+    xs: Any
+    ys: Any
+    seeds: tuple[tuple, tuple]
+
+
+def _local(cfg: _Static, stage_params, shared_params, inputs, targets) -> _Local:
+    """`_Local` from the shard_map's arguments. Every device computes its own values, so
+    everything varies over the stage and data axes (no collective inside a cell;
+    gradients are reduced once at the end); the model axis (TP layers inside the stage)
+    keeps its types, so autodiff sums over it."""
+    sched, axes = cfg.schedule, _device_axes(cfg)
+    rows = (lambda x: x) if sched.virtual_stages == 1 else (lambda x: x[:, 0])
     local = _vary(jax.tree.map(rows, stage_params), axes)
-    shared = _vary(shared_params, axes)
     # DP x PP: the listed Rngs draw other keys on each data shard (restored at the end).
-    local, shared, seeds_st, seeds_sh = _fold_rngs(cfg, local, shared)
+    local, shared, seeds_st, seeds_sh = _fold_rngs(cfg, local, _vary(shared_params, axes))
     tr, st = local.split()
-    # FSDP inside the stage: the leaves `stage_specs` shards over the data axis hold local
-    # shards, marked for `fsdp_call` (gather before use, reduce-scatter the gradient in
-    # the reduction dtype).
+    # FSDP inside the stage: gather before use, reduce-scatter the gradient (`fsdp_call`).
     rd = None if cfg.reduce is None else str(cfg.reduce)
     tr = _with_marks(tr, {k: (cfg.data_axis, d, rd) for k, d in cfg.fsdp})
-    tr_sh, st_sh = shared.split()
-    xs = _split_batch(_vary(inputs, axes), m)
-    ys = _split_batch(_vary(targets, axes), m)
-    x0, y0 = _take(xs, jnp.int32(0)), _take(ys, jnp.int32(0))
-    tr0, st0 = _take(tr, jnp.int32(0)), _take(st, jnp.int32(0))
+    m = sched.num_microbatches
+    xs, ys = (_split_batch(_vary(t, axes), m) for t in (inputs, targets))
+    return _Local(tr, st, *shared.split(), xs, ys, (seeds_st, seeds_sh))
+
+
+class _Probe(NamedTuple):
+    """What tracing the three functions once on one microbatch gives (`_probe`)."""
+
+    h_zero: Any  # zeros of the activation's type
+    no_terms: _Terms  # zeros of the loss terms' types
+    plan: _SharedPlan  # how the shared state both ends change is merged
+    layout: _Layout  # the stage VJP's residuals
+    last_aval: Any  # (loss, aux) types of last_fn
+
+
+def _probe(cfg: _Static, d: _Local) -> _Probe:
+    """Checks the three functions at trace time (`_check_fns`, `_check_int_state`, the
+    activation kept by the stage) and probes the stage's VJP and the shared state."""
+    fns, where, n = cfg.fns, "pipeline_value_and_grad", cfg.schedule.num_microbatches * cfg.dp
+    x0, y0 = _take(d.xs, jnp.int32(0)), _take(d.ys, jnp.int32(0))
+    tr0, st0 = _take(d.tr, jnp.int32(0)), _take(d.st, jnp.int32(0))
+    tr_sh, st_sh = d.tr_sh, d.st_sh
     h_aval = jax.eval_shape(lambda: _first(fns, tr_sh, st_sh, x0)[0])
-    h_zero = _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h_aval), axes)
-    out_aval = _check_fns(cfg, tr0.merge(st0), shared, x0, h_zero, y0)
+    h_zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h_aval)
+    h_zero = _vary(h_zero, _device_axes(cfg))
+    out_aval = _check_fns(cfg, tr0.merge(st0), tr_sh.merge(st_sh), x0, h_zero, y0)
     _check_int_state(cfg, (tr0, st0), (tr_sh, st_sh), x0, h_zero, y0)
-    _check_keeps_activation("pipeline_value_and_grad", h_aval, out_aval)
-    n = m * cfg.dp
+    _check_keeps_activation(where, h_aval, out_aval)
+    last = lambda s: _last_loss(fns, tr_sh, s, h_zero, y0, n, cfg.reduce)[1]  # noqa: E731
     last_aval = jax.eval_shape(lambda: _last_out(fns, fns.last(tr_sh.merge(st_sh), h_zero, y0)))
-    terms_aval = jax.eval_shape(
-        lambda: _last_loss(fns, tr_sh, st_sh, h_zero, y0, n, cfg.reduce)[1][0]
-    )
     h_axes = _axes(h_zero)
     no_terms = jax.tree.map(
-        lambda a: _vary(jnp.zeros(a.shape, a.dtype), (*varying_axes(a), *h_axes)), terms_aval
+        lambda a: _vary(jnp.zeros(a.shape, a.dtype), (*varying_axes(a), *h_axes)),
+        jax.eval_shape(lambda: last(st_sh)[0]),
     )
     # Shared state: which leaves first_fn and last_fn change (both: Rng counters, counted).
     first_eff = (
@@ -1451,75 +1486,100 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
         if fns.first is not None
         else [None] * len(jax.tree.leaves(st_sh))
     )
-    last_eff = _state_effects(
-        lambda s: _last_loss(fns, tr_sh, s, h_zero, y0, n, cfg.reduce)[1][1], st_sh
-    )
-    plan = _shared_plan(first_eff, last_eff, st_sh)
+    plan = _shared_plan(first_eff, _state_effects(lambda s: last(s)[1], st_sh), st_sh)
     layout = _residual_layout(fns, tr0, st0, h_zero, cfg.data_axis if cfg.fsdp else None)
-    # The residuals of each chunk's params alone, once per step (v of them).
+    return _Probe(h_zero, no_terms, plan, layout, last_aval[:2])
+
+
+def _context(cfg: _Static, d: _Local, probe: _Probe, table: np.ndarray) -> _Ctx:
+    """The `_Ctx` every slot of this device sees: `table` is the program's `_COLUMNS`
+    stacked ``(T, p, lanes, 9)``; the residuals of each chunk's params alone are computed
+    here, once per step."""
+    sched, layout, h_zero = cfg.schedule, probe.layout, probe.h_zero
+    p, v = sched.num_stages, sched.virtual_stages
     per_chunk = [
-        _param_residuals(layout, fns, _take(tr, k), _take(st, k), h_zero) for k in range(v)
+        _param_residuals(layout, cfg.fns, _take(d.tr, k), _take(d.st, k), h_zero) for k in range(v)
     ]
     param_res = [jnp.stack(leaves) for leaves in zip(*per_chunk, strict=True)]
-    prog = sched.program()
-    stash0 = [_vary(jnp.zeros(a.shape, a.dtype), _aval_vma(a)) for a in _stash_avals(layout)]
-    table = np.stack([np.asarray(getattr(prog, name), np.int32) for name in _COLUMNS], -1)
-    kinds_np = table[..., _KIND]
-    lane_kinds = tuple(
-        tuple(sorted({IDLE, *np.unique(kinds_np[..., lane]).tolist()}))
-        for lane in range(kinds_np.shape[-1])
-    )
-    split = bool((kinds_np == WEIGHT).any())
-    c = _Ctx(
-        fns=fns,
+    kinds = table[..., _KIND]
+    split = bool((kinds == WEIGHT).any())
+    split_bwd = None
+    if split:
+        stash0 = [_vary(jnp.zeros(a.shape, a.dtype), _aval_vma(a)) for a in _stash_avals(layout)]
+        pres0 = _take(param_res, jnp.int32(0))
+        split_bwd = _split_backward(layout, stash0, pres0, h_zero, cfg.row_major)
+    return _Ctx(
+        fns=cfg.fns,
         layout=layout,
         program=jnp.asarray(table),
-        lane_kinds=lane_kinds,
-        split=split,
-        split_bwd=(
-            _split_backward(layout, stash0, _take(param_res, jnp.int32(0)), h_zero, cfg.row_major)
-            if split
-            else None
+        lane_kinds=tuple(
+            tuple(sorted({IDLE, *np.unique(kinds[..., lane]).tolist()}))
+            for lane in range(kinds.shape[-1])
         ),
+        split=split,
+        split_bwd=split_bwd,
         num_stages=p,
         num_virtual=v * p,
-        stage=stage,
-        n=n,
+        virtual=jnp.asarray(
+            [[sched.virtual_stage(s, k) for s in range(p)] for k in range(v)], jnp.int32
+        ),
+        stage=lax.axis_index(cfg.stage_axis),
+        n=sched.num_microbatches * cfg.dp,
         reduce=cfg.reduce,
-        no_terms=no_terms,
-        counters=plan.counters,
-        st_sh0=st_sh,
-        tr=tr,
-        tr_sh=tr_sh,
+        no_terms=probe.no_terms,
+        counters=probe.plan.counters,
+        st_sh0=d.st_sh,
+        tr=d.tr,
+        tr_sh=d.tr_sh,
         param_res=param_res,
         h_zero=h_zero,
-        stage_axis=axis,
-        sends=_send_plan(table, p, v),
+        stage_axis=cfg.stage_axis,
+        sends=_send_plan(table, sched),
     )
+
+
+def _buffers(c: _Ctx, sizes: dict[str, int], st_sh: Params) -> _Buffers:
+    """Zeroed buffers of the program's sizes, each entry typed as what it holds."""
 
     def ring(n, avals):
         return [_vary(jnp.zeros((n, *a.shape), a.dtype), _aval_vma(a)) for a in avals]
 
     def ring_like(n, tree):
         return jax.tree.map(
-            lambda v: _vary(jnp.zeros((n, *v.shape), v.dtype), tuple(varying_axes(v))), tree
+            lambda x: _vary(jnp.zeros((n, *x.shape), x.dtype), tuple(varying_axes(x))), tree
         )
 
-    sizes = prog.sizes
-    bufs = _Buffers(
-        (ring(sizes["stash"], _stash_avals(layout)), ring_like(sizes["stash"], st_sh)),
-        ring_like(sizes["inbox_f"], h_zero),
-        ring_like(sizes["inbox_b"], h_zero),
-        ring(sizes["wgrad"], c.split_bwd.extra_avals) if split else [],
+    return _Buffers(
+        (ring(sizes["stash"], _stash_avals(c.layout)), ring_like(sizes["stash"], st_sh)),
+        ring_like(sizes["inbox_f"], c.h_zero),
+        ring_like(sizes["inbox_b"], c.h_zero),
+        ring(sizes["kept"], c.split_bwd.extra_avals) if c.split else [],
     )
-    acc = _Acc(_acc_zeros(tr, cfg.reduce), _acc_zeros(tr_sh, cfg.reduce), no_terms, st, st_sh)
+
+
+def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
+    """One device: its chunks' params (leaves ``(1, ...)``, or ``(v, 1, ...)`` with
+    virtual stages), the shared params, its data shard. Probes the functions, sets up
+    the slots' context and buffers, runs the table's slots in one ``lax.scan`` and
+    reduces what they accumulated."""
+    sched = cfg.schedule
+    d = _local(cfg, stage_params, shared_params, inputs, targets)
+    probe = _probe(cfg, d)
+    prog = sched.program()
+    table = np.stack([np.asarray(getattr(prog, name), np.int32) for name in _COLUMNS], -1)
+    c = _context(cfg, d, probe, table)
+    bufs = _buffers(c, prog.sizes, d.st_sh)
+    acc = _Acc(_acc_zeros(d.tr, cfg.reduce), _acc_zeros(d.tr_sh, cfg.reduce), probe.no_terms,
+               d.st, d.st_sh)  # fmt: skip
     (_, acc), _ = lax.scan(
-        lambda carry, t: _slot(c, xs, ys, carry, t), (bufs, acc), jnp.arange(table.shape[0])
+        lambda carry, t: _slot(c, d.xs, d.ys, carry, t), (bufs, acc), jnp.arange(table.shape[0])
     )
+    seeds_st, seeds_sh = d.seeds
     acc = acc._replace(st=restore_seeds(acc.st, seeds_st), st_sh=restore_seeds(acc.st_sh, seeds_sh))
-    ends = (stage == 0, stage == p - 1)
-    dtypes = (tr, tr_sh, last_aval[:2])
-    return _reduce(cfg, acc, shared_params.split()[1], plan, ends, v, dtypes)
+    nv = sched.num_stages * sched.virtual_stages
+    ends = (c.stage == sched.device_of(0)[0], c.stage == sched.device_of(nv - 1)[0])
+    dtypes = (d.tr, d.tr_sh, probe.last_aval)
+    return _reduce(cfg, acc, shared_params.split()[1], probe.plan, ends, dtypes)
 
 
 def _reduce(
@@ -1528,7 +1588,6 @@ def _reduce(
     st_sh_old: Params,
     plan: _SharedPlan,
     ends: tuple[jax.Array, jax.Array],
-    v: int,
     dtypes: tuple[Params, Params, tuple[Any, Any]],
 ):
     """Loss, aux and gradients summed over the stages and the data axis (FSDP leaves
@@ -1538,7 +1597,7 @@ def _reduce(
     p - 1 for ``last_fn``'s, counted for counters both advance)."""
     axis, data = cfg.stage_axis, cfg.data_axis
     on_first, on_last = ends
-    m = cfg.schedule.num_microbatches
+    m, v = cfg.schedule.num_microbatches, cfg.schedule.virtual_stages
 
     def settle(source, k, old, new):
         if source == "keep":

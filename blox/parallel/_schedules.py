@@ -31,6 +31,9 @@ fraction of ``(p - 1) / (m + p - 1)`` when a forward and a backward cost the sam
   previous stage waits for) and ``W`` (the weight gradient, which nothing waits for and
   which fills 1F1B's idle slots): ``3 m + p - 1`` slots of equal-cost actions, an idle
   fraction of ``(p - 1) / (3 m + p - 1)``, 1F1B's ``p`` microbatches in flight.
+* ZB-V: two chunks per device placed in a V (``placement='v'``: device ``s`` holds
+  virtual stages ``s`` and ``2 p - 1 - s``, so device 0 runs the first and the last),
+  the backward split as in ZB-H1; the order of torchtitan's ``ScheduleZBVZeroBubble``.
 
 `Schedule.program` turns a table into the arrays the runtime follows: per slot, device and
 lane, the action and the buffer entries it reads, writes and sends to.
@@ -53,6 +56,7 @@ __all__ = [
     "interleaved_schedule",
     "one_f_one_b_schedule",
     "zero_bubble_schedule",
+    "zero_bubble_v_schedule",
 ]
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
@@ -91,7 +95,7 @@ class Program(NamedTuple):
     lane 0 first); 0 where unused. Entries index per-device buffers whose lengths are
     `sizes`; they are given out first-fit in time order, so a buffer holds exactly the
     peak number of entries live at once. Timing model: in slot ``t`` the lanes run in
-    order; an action reads its entries, then writes its own ``stash`` / ``wgrad`` entry;
+    order; an action reads its entries, then writes its own ``stash`` / ``kept`` entry;
     everything sent in slot ``t`` is written into the receiving inbox at the end of the
     slot, after all lanes.
 
@@ -108,15 +112,15 @@ class Program(NamedTuple):
       send_b: B of virtual stage > 0: the backward-inbox entry on the receiving device (the
         ``inbox_b`` of the previous virtual stage's B); F of the last virtual stage: the
         backward-inbox entry where it files the cotangent of its own output.
-      wgrad: split tables: B: the entry it writes (what its W needs and the stash entry has
-        no free array for); W: the entry it reads.
-      sizes: entries per buffer, ``{'stash', 'inbox_f', 'inbox_b', 'wgrad'}`` (each >= 1;
+      kept: split tables: B: the entry it writes (what its W needs of the cotangents it
+        computed and the stash entry has no free array for); W: the entry it reads.
+      sizes: entries per buffer, ``{'stash', 'inbox_f', 'inbox_b', 'kept'}`` (each >= 1;
         the most any device needs).
 
     Example:
       >>> prog = one_f_one_b_schedule(2, 2).program()
       >>> prog.kind.shape, prog.sizes
-      ((6, 2, 1), {'stash': 2, 'inbox_f': 1, 'inbox_b': 1, 'wgrad': 1})
+      ((6, 2, 1), {'stash': 2, 'inbox_f': 1, 'inbox_b': 1, 'kept': 1})
     """
 
     kind: np.ndarray
@@ -127,29 +131,8 @@ class Program(NamedTuple):
     inbox_b: np.ndarray
     send_f: np.ndarray
     send_b: np.ndarray
-    wgrad: np.ndarray
+    kept: np.ndarray
     sizes: dict[str, int]
-
-
-def _intervals_fit(intervals: list[tuple[int, int, int]], k: int) -> bool:
-    # intervals: (microbatch, written at slot a, last read at slot b), a < b.
-    # Two entries sharing the slot ``microbatch % k`` must not be alive at the same time.
-    by_slot: dict[int, list[tuple[int, int]]] = {}
-    for i, a, b in intervals:
-        by_slot.setdefault(i % k, []).append((a, b))
-    for spans in by_slot.values():
-        spans.sort()
-        for (_, b0), (a1, _) in zip(spans, spans[1:], strict=False):
-            if a1 < b0:
-                return False
-    return True
-
-
-def _buffer_size(per_stage: list[list[tuple[int, int, int]]], m: int) -> int:
-    for k in range(1, m + 1):
-        if all(_intervals_fit(iv, k) for iv in per_stage):
-            return k
-    return m
 
 
 def _first_fit(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
@@ -194,14 +177,31 @@ def _cell_actions(c: Action | tuple[Action, ...] | None) -> tuple[Action, ...]:
     return (c,) if isinstance(c, Action) else c
 
 
-def _per_stage(value: float | Any, p: int, v: int, name: str) -> list[float]:
+PLACEMENTS = ("loop", "v")
+
+
+def _virtual_stage(placement: str, p: int, device: int, chunk: int) -> int:
+    """The virtual stage of `chunk` on `device`: ``'loop'``, ``chunk p + device``;
+    ``'v'``, the same for even chunks and ``chunk p + p - 1 - device`` for odd ones."""
+    if placement == "v" and chunk % 2:
+        return chunk * p + p - 1 - device
+    return chunk * p + device
+
+
+def _per_stage(
+    value: float | Any, p: int, v: int, name: str, placement: str = "loop"
+) -> list[float]:
     """One cost per virtual stage (``v p``) from one number, ``p`` (one per device, every
     chunk alike) or ``v p`` numbers."""
     if isinstance(value, (int, float, np.integer, np.floating)):
         return [float(value)] * (v * p)
     vals = [float(x) for x in value]
     if len(vals) == p:
-        return vals * v
+        out = [0.0] * (v * p)
+        for c in range(v):
+            for d in range(p):
+                out[_virtual_stage(placement, p, d, c)] = vals[d]
+        return out
     if len(vals) != v * p:
         per_virtual = f", or one per virtual stage ({v * p})" if v > 1 else ""
         raise ValueError(
@@ -217,12 +217,14 @@ class Schedule:
     time slot ``t``: an `Action`, a tuple of Actions run one after the other (e.g. two
     forwards), or ``None`` (idle).
 
-    Build one with `gpipe_schedule`, `one_f_one_b_schedule`, `interleaved_schedule` or
-    `zero_bubble_schedule`, or pass your own table (cells as Actions, ``('F', i)`` /
-    ``('F', i, chunk)`` tuples, or tuples of them). With ``virtual_stages`` v > 1 each
-    device holds v stage chunks: chunk ``c`` of device ``s`` is virtual stage
-    ``c * p + s`` of the model's ``v p`` stages. A table with ``'W'`` actions splits the
-    backward: ``B`` computes the cotangent of the stage input, ``W`` the weight gradient.
+    Build one with `gpipe_schedule`, `one_f_one_b_schedule`, `interleaved_schedule`,
+    `zero_bubble_schedule` or `zero_bubble_v_schedule`, or pass your own table (cells as
+    Actions, ``('F', i)`` / ``('F', i, chunk)`` tuples, or tuples of them). With
+    ``virtual_stages`` v > 1 each device holds v stage chunks: with ``placement='loop'``
+    chunk ``c`` of device ``s`` is virtual stage ``c * p + s`` of the model's ``v p``
+    stages; with ``placement='v'`` odd chunks run the other way, ``c * p + p - 1 - s``
+    (`virtual_stage`). A table with ``'W'`` actions splits the backward: ``B`` computes
+    the cotangent of the stage input, ``W`` the weight gradient.
 
     The constructor validates the table and raises ``ValueError`` naming the slot, the
     device, the action and the dependency it breaks: every (virtual stage, microbatch)
@@ -240,6 +242,8 @@ class Schedule:
       num_microbatches: ``m``.
       table: ``T`` rows (time slots) of ``p`` cells.
       virtual_stages: ``v``, stage chunks per device (1: one stage per device).
+      placement: how the chunks map to virtual stages: ``'loop'`` (interleaved 1F1B) or
+        ``'v'`` (ZB-V); stack the params in `stacking_order`.
 
     Example:
       >>> s = Schedule("mine", 2, 1, ((("F", 0), None), (None, ("F", 0)),
@@ -253,6 +257,7 @@ class Schedule:
     num_microbatches: int
     table: tuple[tuple[Action | tuple[Action, ...] | None, ...], ...]
     virtual_stages: int = 1
+    placement: str = "loop"
 
     def __post_init__(self) -> None:
         where = f"Schedule {self.name!r}"
@@ -288,22 +293,42 @@ class Schedule:
         """Whether the table has ``'W'`` actions (B is then the input-gradient part only)."""
         return any(a.kind == "W" for row in self.table for c in row for a in _cell_actions(c))
 
+    def virtual_stage(self, device: int, chunk: int) -> int:
+        """The model stage that `chunk` of `device` runs (`placement`)."""
+        return _virtual_stage(self.placement, self.num_stages, device, chunk)
+
+    def device_of(self, virtual_stage: int) -> tuple[int, int]:
+        """``(device, chunk)`` that runs model stage `virtual_stage`."""
+        p = self.num_stages
+        c, d = divmod(virtual_stage, p)
+        return (p - 1 - d if self.placement == "v" and c % 2 else d), c
+
+    @property
+    def stacking_order(self) -> tuple[int, ...]:
+        """The model stages in the order `stack_stages` takes them (entry ``c p + s``:
+        chunk ``c`` of device ``s``): ``0 .. v p - 1`` with ``placement='loop'``; with
+        ``'v'`` at v = 2, ``0 .. p - 1`` then ``2 p - 1`` down to ``p``. Stack with
+        ``stack_stages([stages[k] for k in order], virtual_stages=v)``; entry ``j`` of
+        `unstack_stages`' list is model stage ``order[j]``."""
+        p, v = self.num_stages, self.virtual_stages
+        return tuple(self.virtual_stage(j % p, j // p) for j in range(v * p))
+
     def actions(self, slot: int, stage: int) -> tuple[Action, ...]:
         """The actions of ``table[slot][stage]`` as a tuple (empty when idle)."""
         return _cell_actions(self.table[slot][stage])
 
     def times(self) -> dict[tuple[str, int, int], int]:
         """``{(kind, virtual stage, microbatch): slot}`` for every action in the table
-        (the virtual stage of chunk ``c`` on device ``s`` is ``c * p + s``: the device
+        (the virtual stage of chunk ``c`` on device ``s``: `virtual_stage`, the device
         itself when v == 1)."""
         return {k: t for k, (t, _) in self._lane_times().items()}
 
     def _lane_times(self) -> dict[tuple[str, int, int], tuple[int, int]]:
-        p, out = self.num_stages, {}
+        out = {}
         for t, row in enumerate(self.table):
             for s, c in enumerate(row):
                 for lane, a in enumerate(_cell_actions(c)):
-                    out[(a.kind, a.chunk * p + s, a.microbatch)] = (t, lane)
+                    out[(a.kind, self.virtual_stage(s, a.chunk), a.microbatch)] = (t, lane)
         return out
 
     def idle_slots(self) -> int:
@@ -313,14 +338,14 @@ class Schedule:
     def _busy_span(self, forward: Any, backward: Any, weight: Any) -> tuple[float, float]:
         p, v = self.num_stages, self.virtual_stages
         cost = {
-            "F": _per_stage(forward, p, v, "forward"),
-            "B": _per_stage(backward, p, v, "backward"),
-            "W": _per_stage(weight, p, v, "weight"),
+            "F": _per_stage(forward, p, v, "forward", self.placement),
+            "B": _per_stage(backward, p, v, "backward", self.placement),
+            "W": _per_stage(weight, p, v, "weight", self.placement),
         }
         busy = span = 0.0
         for row in self.table:
             loads = [
-                sum(cost[a.kind][a.chunk * p + s] for a in _cell_actions(c))
+                sum(cost[a.kind][self.virtual_stage(s, a.chunk)] for a in _cell_actions(c))
                 for s, c in enumerate(row)
             ]
             busy += sum(loads)
@@ -417,19 +442,19 @@ class Schedule:
         run = lambda key: 2 * (lt[key][0] * L + lt[key][1])  # noqa: E731
         arrive = lambda key: 2 * (lt[key][0] + 1) * L - 1  # noqa: E731
         ivs: dict[str, list[list[tuple[int, int, Any]]]] = {
-            b: [[] for _ in range(p)] for b in ("stash", "inbox_f", "inbox_b", "wgrad")
+            b: [[] for _ in range(p)] for b in ("stash", "inbox_f", "inbox_b", "kept")
         }
         for kind, k, i in lt:
             if kind != "F":
                 continue
-            d = k % p
+            d = self.device_of(k)[0]
             ivs["stash"][d].append((run(("F", k, i)), run(("W" if split else "B", k, i)), (k, i)))
             if k:
                 ivs["inbox_f"][d].append((arrive(("F", k - 1, i)), run(("F", k, i)), (k, i)))
             src = ("B", k + 1, i) if k < nv - 1 else ("F", k, i)
             ivs["inbox_b"][d].append((arrive(src), run(("B", k, i)), (k, i)))
             if split:
-                ivs["wgrad"][d].append((run(("B", k, i)), run(("W", k, i)), (k, i)))
+                ivs["kept"][d].append((run(("B", k, i)), run(("W", k, i)), (k, i)))
         entry: dict[str, dict[tuple[int, int], int]] = {}
         sizes: dict[str, int] = {}
         for b, per_dev in ivs.items():
@@ -442,8 +467,9 @@ class Schedule:
             f: np.zeros((self.num_slots, p, L), np.int32) for f in Program._fields if f != "sizes"
         }
         for (kind, k, i), (t, lane) in lt.items():
-            at = (t, k % p, lane)
-            arr["kind"][at], arr["microbatch"][at], arr["chunk"][at] = _CODE[kind], i, k // p
+            d, chunk = self.device_of(k)
+            at = (t, d, lane)
+            arr["kind"][at], arr["microbatch"][at], arr["chunk"][at] = _CODE[kind], i, chunk
             arr["stash"][at] = entry["stash"][k, i]
             if kind == "F":
                 if k:
@@ -457,55 +483,8 @@ class Schedule:
                 if k:
                     arr["send_b"][at] = entry["inbox_b"][k - 1, i]
             if split and kind != "F":
-                arr["wgrad"][at] = entry["wgrad"][k, i]
+                arr["kept"][at] = entry["kept"][k, i]
         return Program(**arr, sizes=sizes)
-
-    def buffer_sizes(self) -> dict[str, int]:
-        """Ring-buffer lengths for a runtime that indexes its buffers by
-        ``microbatch % size`` (one stage per device, v == 1): ``'stash'`` (kept from a
-        forward to its backward, or to its W), ``'fwd_inbox'`` and ``'bwd_inbox'``
-        (activations / cotangents received and not yet used; on the last stage, the
-        cotangents of its own outputs) and ``'wgrad'`` (split tables: cotangents kept from
-        B to W; else 1). `program` gives out entries first-fit instead: its sizes are
-        never larger.
-
-        Raises:
-          ValueError: the schedule has virtual_stages > 1 (use `program`).
-        """
-        p, m, v = self.num_stages, self.num_microbatches, self.virtual_stages
-        lt = self._lane_times()
-        if v != 1:
-            raise ValueError(
-                f"Schedule {self.name!r}: buffer_sizes() indexes buffers by microbatch, which "
-                f"cannot tell the {v} chunks of a device apart; use program() (its entries and "
-                "sizes cover every chunk)."
-            )
-        k, split = self.lanes, self.split_backward
-        # Event times within the step: the cell in (slot t, lane l) reads and writes at
-        # 2 (t k + l); what arrives at the end of slot t is written at 2 (t + 1) k - 1.
-        run = lambda key: 2 * (lt[key][0] * k + lt[key][1])  # noqa: E731
-        arrive = lambda key: 2 * (lt[key][0] + 1) * k - 1  # noqa: E731
-        end = "W" if split else "B"
-        stash = [[(i, run(("F", s, i)), run((end, s, i))) for i in range(m)] for s in range(p)]
-        fwd = [
-            [(i, arrive(("F", s - 1, i)), run(("F", s, i))) for i in range(m)] if s else []
-            for s in range(p)
-        ]
-        # The last stage keeps its own output cotangents (from last_fn, computed in its
-        # forward slot) in its backward inbox until its backward.
-        bwd = [
-            [(i, arrive(("F" if s == p - 1 else "B", min(s + 1, p - 1), i)), run(("B", s, i)))
-             for i in range(m)]
-            for s in range(p)
-        ]  # fmt: skip
-        wg = [[(i, run(("B", s, i)), run(("W", s, i))) for i in range(m)] if split else []
-              for s in range(p)]  # fmt: skip
-        return {
-            "stash": _buffer_size(stash, m),
-            "fwd_inbox": _buffer_size(fwd, m),
-            "bwd_inbox": _buffer_size(bwd, m),
-            "wgrad": _buffer_size(wg, m),
-        }
 
     def as_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """``(kinds, microbatches)``, int32 arrays of shape ``(T, p, lanes)``; kinds are
@@ -530,7 +509,7 @@ class Schedule:
             if k == 1
             else f"idle {self.idle_fraction(1.0, float(k)):.1%} with B = {k} F"
         )
-        chunks = f" x {v} chunks" if v > 1 else ""
+        chunks = (f" x {v} chunks" if v > 1 else "") + (" (V)" if self.placement == "v" else "")
         flight = "max in flight (F to W)" if self.split_backward else "max in flight"
         head = (
             f"{self.name}: {p} stages{chunks} x {m} microbatches, {self.num_slots} slots, "
@@ -548,7 +527,20 @@ class Schedule:
         for name, n in (("num_stages", p), ("num_microbatches", m), ("virtual_stages", v)):
             if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"{where}: {name} must be a positive int, got {n!r}.")
-        nv = v * p
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"{where}: placement must be 'loop' (chunk c of device s is virtual stage "
+                f"c p + s) or 'v' (odd chunks run the other way), got {self.placement!r}."
+            )
+        seen = self._cells_seen()
+        split = any(k[0] == "W" for k in seen)
+        self._validate_complete(seen, split)
+        self._validate_order(seen, split)
+
+    def _cells_seen(self) -> dict[tuple[str, int, int], tuple[int, int]]:
+        """``{(kind, virtual stage, microbatch): (slot, lane)}``, checking each cell."""
+        p, m, v = self.num_stages, self.num_microbatches, self.virtual_stages
+        where = f"Schedule {self.name!r}"
         seen: dict[tuple[str, int, int], tuple[int, int]] = {}
         for t, row in enumerate(self.table):
             if len(row) != p:
@@ -566,18 +558,21 @@ class Schedule:
                             f"an action is ('F'|'B'|'W', microbatch in [0, {m}), chunk in "
                             f"[0, {v})) (chunk > 0 needs virtual_stages > 1)."
                         )
-                    key = (c.kind, c.chunk * p + s, c.microbatch)
+                    key = (c.kind, self.virtual_stage(s, c.chunk), c.microbatch)
                     if key in seen:
                         raise ValueError(
                             f"{where}: {self._label(c)} runs twice on stage {s} (slots "
                             f"{seen[key][0]} and {t}); each runs exactly once."
                         )
                     seen[key] = (t, lane)
-        split = any(k[0] == "W" for k in seen)
-        kinds = "FBW" if split else "FB"
-        for k in range(nv):
-            dev, c = self._where(k), k // p
-            for i in range(m):
+        return seen
+
+    def _validate_complete(self, seen: dict, split: bool) -> None:
+        """Every (virtual stage, microbatch) runs F and B (and W in a split table)."""
+        where, kinds = f"Schedule {self.name!r}", "FBW" if split else "FB"
+        for k in range(self.num_stages * self.virtual_stages):
+            dev, c = self._where(k), self.device_of(k)[1]
+            for i in range(self.num_microbatches):
                 for kind in kinds:
                     if (kind, k, i) not in seen:
                         raise ValueError(
@@ -589,9 +584,14 @@ class Schedule:
                                 else "every stage runs F and B of every microbatch."
                             )
                         )
+
+    def _validate_order(self, seen: dict, split: bool) -> None:
+        """The dependencies: F after its forward input, B after its F and the next
+        stage's B, W after its B."""
+        where, nv = f"Schedule {self.name!r}", self.num_stages * self.virtual_stages
         for k in range(nv):
-            dev, c = self._where(k), k // p
-            for i in range(m):
+            dev, c = self._where(k), self.device_of(k)[1]
+            for i in range(self.num_microbatches):
                 f, b = seen["F", k, i][0], seen["B", k, i][0]
                 F, B = self._label(Action("F", i, c)), self._label(Action("B", i, c))
                 if b <= f:
@@ -626,10 +626,10 @@ class Schedule:
         return f"{a.kind}{a.microbatch}" + (f".{a.chunk}" if self.virtual_stages > 1 else "")
 
     def _where(self, k: int) -> str:
-        p = self.num_stages
         if self.virtual_stages == 1:
             return f"stage {k}"
-        return f"device {k % p} (chunk {k // p}, virtual stage {k})"
+        d, c = self.device_of(k)
+        return f"device {d} (chunk {c}, virtual stage {k})"
 
 
 def _check_counts(fn: str, num_stages: int, num_microbatches: int) -> None:
@@ -736,7 +736,9 @@ def one_f_one_b_schedule(
     return _place_in_order("1f1b", p, m, 1, orders)
 
 
-def _place_in_order(name: str, p: int, m: int, v: int, orders: list[list[Action]]) -> Schedule:
+def _place_in_order(
+    name: str, p: int, m: int, v: int, orders: list[list[Action]], placement: str = "loop"
+) -> Schedule:
     """Each device runs its actions in the given order, one per slot, each in the first
     slot after its input arrived (F: the previous virtual stage's F; B: the next one's B,
     or on the last virtual stage its own F; W: its own B)."""
@@ -751,7 +753,7 @@ def _place_in_order(name: str, p: int, m: int, v: int, orders: list[list[Action]
             if nxt[s] == len(orders[s]):
                 continue
             a = orders[s][nxt[s]]
-            k, i = a.chunk * p + s, a.microbatch
+            k, i = _virtual_stage(placement, p, s, a.chunk), a.microbatch
             if a.kind == "F":
                 dep = ("F", k - 1, i) if k else None
             elif a.kind == "B":
@@ -764,11 +766,11 @@ def _place_in_order(name: str, p: int, m: int, v: int, orders: list[list[Action]
             raise RuntimeError(f"{name}: the per-device orders deadlock at slot {t}.")
         for s, a in enumerate(row):
             if a is not None:
-                done[(a.kind, a.chunk * p + s, a.microbatch)] = t
+                done[(a.kind, _virtual_stage(placement, p, s, a.chunk), a.microbatch)] = t
                 nxt[s] += 1
         table.append(row)
         t += 1
-    return Schedule(name, p, m, tuple(tuple(r) for r in table), v)
+    return Schedule(name, p, m, tuple(tuple(r) for r in table), v, placement)
 
 
 def _packed_one_f_one_b(p: int, m: int, k: int) -> Schedule:
@@ -930,6 +932,83 @@ def zero_bubble_schedule(num_stages: int, num_microbatches: int) -> Schedule:
     return _place_in_order("zb-h1", p, m, 1, orders)
 
 
+def zero_bubble_v_schedule(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-V (zero bubble in a V, torchtitan's ``ScheduleZBVZeroBubble``): two stage
+    chunks per device, placed in a V (``placement='v'``: device ``s`` runs model stages
+    ``s`` and ``2 p - 1 - s``, so device 0 runs the first and the last, and the activation
+    turns around on device ``p - 1`` without a transfer), the backward split into B and
+    W as in ZB-H1.
+
+    Device ``s`` runs, in order (``F0 i``: forward of microbatch ``i`` on chunk 0):
+    ``2 (p - s) - 1`` forwards on chunk 0; ``s`` pairs ``F1, F0``; ``p - s`` triples
+    ``F1, B1, W1``; then, while forwards remain, ``F0, B0, W0, F1, B1, W1``; then ``s``
+    pairs ``B0, B1``, ``p - s`` pairs ``B0, W0`` and the remaining W's (chunk 1's first).
+    The order is written for ``max(m, 2 p - 1)`` microbatches and the actions of
+    microbatches ``>= m`` are dropped; each action runs in the first slot after its input
+    arrived. A chunk action is half a stage's work; with F = B = W its idle fraction is
+    below ZB-H1's at the same ``m`` (the fill and drain are chunk actions), and a device
+    keeps at most about ``2 p`` chunk-microbatches (``p`` stages' worth, 1F1B's) in
+    flight.
+
+    Args:
+      num_stages: ``p >= 1``.
+      num_microbatches: ``m >= 1``.
+
+    Returns:
+      The validated `Schedule` (named ``'zb-v'``, ``virtual_stages=2``,
+      ``placement='v'``, with W actions). Stack the ``2 p`` stages' params in its
+      `Schedule.stacking_order`.
+
+    Example:
+      >>> s = zero_bubble_v_schedule(2, 2)
+      >>> s.stacking_order  # device 0 holds model stages 0 and 3, device 1 stages 1 and 2
+      (0, 1, 3, 2)
+      >>> print(s)  # doctest: +NORMALIZE_WHITESPACE
+      zb-v: 2 stages x 2 chunks (V) x 2 microbatches, 14 slots, idle 4/28 = 14.3%,
+      max in flight (F to W) per stage [3, 4]
+      slot        0    1    2    3    4    5    6    7    8    9   10   11   12   13
+      stage 0  F0.0 F1.0    . F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 B0.0 W0.0    . B1.0 W1.0
+      stage 1     . F0.0 F0.1 F1.0 F1.1 B0.1 W0.1 B0.0 W0.0 B1.1 W1.1 B1.0 W1.0    .
+    """
+    fn = "zero_bubble_v_schedule"
+    _check_counts(fn, num_stages, num_microbatches)
+    p, m = int(num_stages), int(num_microbatches)
+    n = max(m, 2 * p - 1)
+    orders = [[a for a in _zbv_order(p, n, s) if a.microbatch < m] for s in range(p)]
+    return _place_in_order("zb-v", p, m, 2, orders, "v")
+
+
+def _zbv_order(p: int, n: int, s: int) -> list[Action]:
+    """Device `s`'s actions under ZB-V for `n` microbatches (`zero_bubble_v_schedule`)."""
+    order: list[Action] = []
+    count = {(kind, c): 0 for kind in "FBW" for c in (0, 1)}
+
+    def run(*acts: tuple[str, int]) -> None:
+        for kind, c in acts:
+            order.append(Action(kind, count[kind, c], c))
+            count[kind, c] += 1
+
+    for _ in range(2 * (p - s) - 1):
+        run(("F", 0))
+    for _ in range(s):
+        run(("F", 1), ("F", 0))
+    for _ in range(p - s):
+        run(("F", 1), ("B", 1), ("W", 1))
+    while count["F", 1] < count["F", 0] or count["F", 0] < n:
+        if count["F", 0] < n:
+            run(("F", 0))
+        run(("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
+    for _ in range(s):
+        run(("B", 0), ("B", 1))
+    for _ in range(p - s):
+        run(("B", 0), ("W", 0))
+    while count["W", 1] < count["B", 1]:
+        run(("W", 1))
+    while count["W", 0] < count["B", 0]:
+        run(("W", 0))
+    return order
+
+
 def schedule_from(
     name: str | Schedule,
     num_stages: int,
@@ -939,7 +1018,8 @@ def schedule_from(
     """`Schedule` by name, or `name` itself after checking it matches the counts.
 
     Names: ``'gpipe'``, ``'1f1b'``, ``'1f1b-kf'`` (1F1B with ``forwards_per_slot=k``),
-    ``'interleaved'`` (needs ``virtual_stages >= 2``), ``'zb'`` / ``'zb-h1'``.
+    ``'interleaved'`` (needs ``virtual_stages >= 2``), ``'zb'`` / ``'zb-h1'``, ``'zbv'`` /
+    ``'zb-v'`` (two chunks per device in a V).
     ``virtual_stages=None`` means 1 (or a given Schedule's own).
     """
     v = virtual_stages
@@ -964,6 +1044,13 @@ def schedule_from(
                 f"got {v!r}; pass virtual_stages=2 or more, or use schedule='1f1b'."
             )
         return interleaved_schedule(num_stages, num_microbatches, int(v))
+    if name in ("zbv", "zb-v"):
+        if v not in (None, 2):
+            raise ValueError(
+                f"schedule {name!r} (ZB-V) runs two stage chunks per device, got "
+                f"virtual_stages={v}; leave virtual_stages out or pass 2."
+            )
+        return zero_bubble_v_schedule(num_stages, num_microbatches)
     if v not in (None, 1):
         raise ValueError(
             f"virtual_stages={v} needs schedule='interleaved' (or a Schedule built with "
@@ -983,6 +1070,7 @@ def schedule_from(
         raise ValueError(
             f"unknown schedule {name!r}; use 'gpipe', '1f1b', '1f1b-2f' (a slot holds one "
             "backward or two forwards), 'interleaved' (with virtual_stages >= 2), 'zb' "
-            "(ZB-H1, a split backward) or a Schedule."
+            "(ZB-H1, a split backward), 'zbv' (ZB-V: two chunks per device in a V) or a "
+            "Schedule."
         )
     return makers[name](num_stages, num_microbatches)

@@ -112,13 +112,16 @@ def close(a, b, **kw):
 
 def check_against_sequential(schedule, m, v, policy=None, **kw):
     """Runs `schedule` on a (stage,) mesh of P devices with v chunks each and compares
-    loss, gradients and state with the sequential model of v P stages."""
+    loss, gradients and state with the sequential model of v P stages (stacked in the
+    schedule's `stacking_order`: model order, or ZB-V's)."""
     dtype = jnp.bfloat16 if policy == "bf16" else None
     first_fn, stage_fn, last_fn, shared, stages = model(v * P, dtype)
     x, y = data(2 * m)
     ref_loss, (ref_g_sh, ref_g), ref_states, ref_st_sh = sequential(
         first_fn, stage_fn, last_fn, shared, stages, x, y, m
     )
+    interleaved = schedule == "interleaved"
+    order = schedule_from(schedule, P, m, v if interleaved else None).stacking_order
     step = jax.jit(
         pipeline_value_and_grad(
             stage_fn,
@@ -127,13 +130,13 @@ def check_against_sequential(schedule, m, v, policy=None, **kw):
             schedule=schedule,
             num_microbatches=m,
             first_fn=first_fn,
-            virtual_stages=v if schedule == "interleaved" else None,
+            virtual_stages=v if interleaved else None,
             **kw,
         )
     )
     with jax.default_matmul_precision("highest"):
         loss, (g, g_sh), (new_stages, new_shared) = step(
-            stack_stages(stages, virtual_stages=v), shared, x, y
+            stack_stages([stages[k] for k in order], virtual_stages=v), shared, x, y
         )
     # bf16 policy: the same bf16 ops as the reference, summed in another order
     t = tol(jnp.bfloat16) if policy == "bf16" else F32
@@ -142,9 +145,10 @@ def check_against_sequential(schedule, m, v, policy=None, **kw):
     close(g_sh, ref_g_sh, **t)
     got = unstack_stages(g, virtual_stages=v)
     assert len(got) == v * P
-    for k, gs in enumerate(got):
-        close(gs, ref_g[k], **t)
-    for k, ps in enumerate(unstack_stages(new_stages, virtual_stages=v)):
+    for j, gs in enumerate(got):
+        close(gs, ref_g[order[j]], **t)
+    for j, ps in enumerate(unstack_stages(new_stages, virtual_stages=v)):
+        k = order[j]
         calls = int(stages[k]["stage", "count", "calls"].value)
         assert int(ps["stage", "count", "calls"].value) == calls + m
         close(ps.split()[1], ref_states[k], **t)
@@ -221,6 +225,7 @@ def check_linear_in_m(schedule, **kw):
     assert copies[32] == copies[8], copies
 
 
+@functools.cache  # the 1F1B baseline is compiled once per session
 def temp_bytes(schedule, m, **kw):
     return compiled(schedule, m, **kw).memory_analysis().temp_size_in_bytes
 

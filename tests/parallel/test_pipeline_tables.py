@@ -1,4 +1,4 @@
-"""Schedule tables (interleaved 1F1B, ZB-H1, W actions, chunks) and the
+"""Schedule tables (interleaved 1F1B, ZB-H1, ZB-V, W actions, chunks) and the
 `Schedule.program` arrays the runtime follows, in pure NumPy: closed forms for the slot
 counts and idle fractions, independent counts of the in-flight stashes, every validation
 error, and an interpreter that runs each program slot by slot on tagged buffers."""
@@ -17,6 +17,7 @@ from blox.parallel._schedules import (
     gpipe_schedule,
     one_f_one_b_schedule,
     schedule_from,
+    zero_bubble_v_schedule,
 )
 
 
@@ -28,6 +29,20 @@ def _cells(s):
             acts = () if c is None else (c,) if isinstance(c, Action) else c
             out += [(t, lane, d, a) for lane, a in enumerate(acts)]
     return out
+
+
+def _vstage(s, d, c):
+    """The virtual stage of chunk `c` on device `d`, from the placement's definition:
+    ``'loop'``: c p + d; ``'v'``: chunk 0 runs down the devices, chunk 1 back up."""
+    p = s.num_stages
+    if s.placement == "v":
+        return c * p + (p - 1 - d if c % 2 else d)
+    return c * p + d
+
+
+def _device(s, k):
+    return next(d for d in range(s.num_stages) for c in range(s.virtual_stages)
+                if _vstage(s, d, c) == k)  # fmt: skip
 
 
 def _peak_in_flight(s, done):
@@ -42,7 +57,7 @@ def _peak_in_flight(s, done):
 def _check_dependencies(s):
     """The dependency rules of the interface, checked on the cells themselves."""
     p, v, m = s.num_stages, s.virtual_stages, s.num_microbatches
-    at = {(a.kind, a.chunk * p + d, a.microbatch): (t, lane) for t, lane, d, a in _cells(s)}
+    at = {(a.kind, _vstage(s, d, a.chunk), a.microbatch): (t, lane) for t, lane, d, a in _cells(s)}
     split = any(k[0] == "W" for k in at)
     assert len(at) == (3 if split else 2) * v * p * m
     for k in range(v * p):
@@ -119,6 +134,51 @@ def test_zero_bubble_idle_at_most_a_third_of_1f1b(m):
     assert zb.idle_time(1.0, 1.0, 1.0) <= ofob_idle / 3
     if m >= 8:
         assert zb.idle_fraction(1.0, 1.0, 1.0) <= ofob.idle_fraction(1.0, 2.0) / 3
+
+
+@pytest.mark.parametrize("p,m", [(4, 4), (4, 8), (4, 16), (2, 5), (3, 7), (1, 3)])
+def test_zero_bubble_v_table(p, m):
+    """ZB-V: two chunks per device in a V (device d runs model stages d and 2 p - 1 - d,
+    device 0 the first and the last); every dependency holds; at most 2 p
+    chunk-microbatches (p stages' worth, 1F1B's peak) from F to W on any device; with
+    F = B = W its idle fraction is below ZB-H1's once m > p (equal at m = p = 4: the
+    order is written for 2 p - 1 microbatches and the missing ones leave holes)."""
+    s = zero_bubble_v_schedule(p, m)
+    _check_dependencies(s)
+    assert (s.name, s.virtual_stages, s.placement, s.split_backward) == ("zb-v", 2, "v", True)
+    assert s.stacking_order == (*range(p), *range(2 * p - 1, p - 1, -1))
+    for k in range(2 * p):
+        d, c = s.device_of(k)
+        assert _vstage(s, d, c) == k == s.virtual_stage(d, c)
+    assert s.in_flight() == _peak_in_flight(s, "W")
+    assert max(s.in_flight()) <= 2 * p
+    if p > 1 and m >= p:
+        zb = zero_bubble_schedule(p, m).idle_fraction(1.0, 1.0, 1.0)
+        assert s.idle_fraction(1.0, 1.0, 1.0) <= zb
+        if m > p:
+            assert s.idle_fraction(1.0, 1.0, 1.0) < zb
+
+
+def test_zero_bubble_v_order_and_errors():
+    """Device 0 at p = 4, m = 8 runs torchtitan's order: 7 forwards on chunk 0, then F,
+    B, W on chunk 1 (it holds the last model stage: its B follows its own F)."""
+    s = zero_bubble_v_schedule(4, 8)
+    first = [str(a) for row in s.table for a in s.actions(s.table.index(row), 0)][:13]
+    assert first == ["F0", "F1", "F2", "F3", "F4", "F5", "F6", "F0.1", "B0.1", "W0.1",
+                     "F1.1", "B1.1", "W1.1"]  # fmt: skip
+    assert str(s).startswith("zb-v: 4 stages x 2 chunks (V) x 8 microbatches")
+    # device 3's chunk 1 (model stage 4) in the slot of its chunk 0's F (model stage 3)
+    table = _table(s)
+    t3 = next(t for t, row in enumerate(table) if row[3] == Action("F", 0, 0))
+    t4 = next(t for t, row in enumerate(table) if row[3] == Action("F", 0, 1))
+    table[t3][3], table[t4][3] = (Action("F", 0, 0), Action("F", 0, 1)), None
+    want = r"device 3 \(chunk 1, virtual stage 4\) runs F0.1 at slot \d+, not after device 3 "
+    with pytest.raises(ValueError, match=want + r"\(chunk 0, virtual stage 3\)"):
+        Schedule("mine", 4, 8, tuple(map(tuple, table)), 2, "v")
+    with pytest.raises(ValueError, match=r"placement must be 'loop'.*or 'v'.*got 'w'"):
+        Schedule("mine", 4, 8, s.table, 2, "w")
+    with pytest.raises(ValueError, match=r"zero_bubble_v_schedule: num_microbatches must be"):
+        zero_bubble_v_schedule(4, 0)
 
 
 def test_idle_fraction_and_time_weigh_w():
@@ -283,8 +343,12 @@ def test_schedule_from_names_and_virtual_stages():
     with pytest.raises(ValueError, match=r"x 2 virtual stages, but the pipeline has 4 stages "
                        r"x 8 microbatches x 4 virtual stages"):  # fmt: skip
         schedule_from(s, 4, 8, 4)
-    with pytest.raises(ValueError, match=r"unknown schedule 'zbv'.*'interleaved'.*'zb'"):
-        schedule_from("zbv", 4, 8)
+    assert schedule_from("zbv", 4, 8).name == schedule_from("zb-v", 4, 8, 2).name == "zb-v"
+    with pytest.raises(ValueError, match=r"'zbv' \(ZB-V\) runs two stage chunks.*got "
+                       r"virtual_stages=3"):  # fmt: skip
+        schedule_from("zbv", 4, 8, 3)
+    with pytest.raises(ValueError, match=r"unknown schedule 'zb-w'.*'interleaved'.*'zbv'"):
+        schedule_from("zb-w", 4, 8)
 
 
 # -- the program, run by an independent interpreter ---------------------------------------------
@@ -310,6 +374,8 @@ SCHEDULES = {
     "interleaved-v4": lambda: interleaved_schedule(4, 8, 4),
     "interleaved-p2": lambda: interleaved_schedule(2, 4, 3),
     "zb-h1": lambda: zero_bubble_schedule(4, 8),
+    "zb-v": lambda: zero_bubble_v_schedule(4, 8),
+    "zb-v-m3": lambda: zero_bubble_v_schedule(3, 4),
     "hand": _hand_written,
 }
 
@@ -320,7 +386,7 @@ def _interpret(s):
     live values per buffer (max over devices)."""
     prog, p, v = s.program(), s.num_stages, s.virtual_stages
     nv, split, T, L = v * p, s.split_backward, *prog.kind.shape[::2]
-    names = ("stash", "inbox_f", "inbox_b", "wgrad")
+    names = ("stash", "inbox_f", "inbox_b", "kept")
     buf = {b: [[None] * prog.sizes[b] for _ in range(p)] for b in names}
     live = {b: [0] * p for b in names}
     peak = {b: 0 for b in names}
@@ -353,25 +419,27 @@ def _interpret(s):
                 if a is None:
                     continue
                 assert (prog.microbatch[at], prog.chunk[at]) == (a.microbatch, a.chunk), at
-                k, i = a.chunk * p + d, a.microbatch
+                k, i = _vstage(s, d, a.chunk), a.microbatch
                 if a.kind == "F":
                     if k:
                         read("inbox_f", d, prog.inbox_f[at], ("act", k, i))
                     write("stash", d, prog.stash[at], ("res", k, i))
                     if k < nv - 1:
-                        sends.append(("inbox_f", (k + 1) % p, prog.send_f[at], ("act", k + 1, i)))
+                        dst = _device(s, k + 1)
+                        sends.append(("inbox_f", dst, prog.send_f[at], ("act", k + 1, i)))
                     else:
                         sends.append(("inbox_b", d, prog.send_b[at], ("cot", k, i)))
                 elif a.kind == "B":
                     read("stash", d, prog.stash[at], ("res", k, i), last=not split)
                     read("inbox_b", d, prog.inbox_b[at], ("cot", k, i))
                     if k:
-                        sends.append(("inbox_b", (k - 1) % p, prog.send_b[at], ("cot", k - 1, i)))
+                        dst = _device(s, k - 1)
+                        sends.append(("inbox_b", dst, prog.send_b[at], ("cot", k - 1, i)))
                     if split:
-                        write("wgrad", d, prog.wgrad[at], ("wg", k, i))
+                        write("kept", d, prog.kept[at], ("wg", k, i))
                 else:
                     read("stash", d, prog.stash[at], ("res", k, i))
-                    read("wgrad", d, prog.wgrad[at], ("wg", k, i))
+                    read("kept", d, prog.kept[at], ("wg", k, i))
         for b, d, e, tag in sends:  # at the end of the slot, after all lanes
             write(b, d, e, tag)
     assert all(x is None for b in names for dev in buf[b] for x in dev)
@@ -388,20 +456,15 @@ def test_program_runs_on_buffers_of_its_sizes(name):
     assert _interpret(s) == prog.sizes
 
 
-def test_program_sizes_beat_the_microbatch_ring():
-    """First-fit entries never need more than the ring indexed by microbatch % size that
-    `buffer_sizes` gives (both from the same table); for GPipe the stash is all m."""
-    for name in ("gpipe", "1f1b", "1f1b-2f", "zb-h1", "hand"):
-        s = SCHEDULES[name]()
-        ring, sizes = s.buffer_sizes(), s.program().sizes
-        assert sizes["stash"] <= ring["stash"] and sizes["wgrad"] <= ring["wgrad"]
-        assert sizes["inbox_f"] <= ring["fwd_inbox"] and sizes["inbox_b"] <= ring["bwd_inbox"]
+def test_program_sizes():
+    """The stash holds what is in flight: all m for GPipe, p for 1F1B and ZB-H1 (whose
+    entry lives until the W), 2 p chunk entries for ZB-V at m = 8; a table without W
+    keeps nothing from B to W (one unused entry)."""
     assert gpipe_schedule(4, 8).program().sizes["stash"] == 8
     assert one_f_one_b_schedule(4, 8).program().sizes["stash"] == 4
+    assert one_f_one_b_schedule(4, 8).program().sizes["kept"] == 1
     assert zero_bubble_schedule(4, 8).program().sizes["stash"] == 4
-    with pytest.raises(ValueError, match=r"buffer_sizes\(\) indexes buffers by microbatch.*"
-                       r"use program\(\)"):  # fmt: skip
-        interleaved_schedule(4, 8, 2).buffer_sizes()
+    assert zero_bubble_v_schedule(4, 8).program().sizes["stash"] == 8
 
 
 def test_program_catches_overlapping_entries():

@@ -1,9 +1,9 @@
-"""Zero-bubble ZB-H1 in the pipeline runtime: the backward split into ``B``
+"""Zero-bubble ZB-H1 and ZB-V in the pipeline runtime: the backward split into ``B``
 (the cotangent of the stage input, which the previous stage waits for) and ``W`` (the
 weight gradient, in otherwise idle slots), against the sequential model on one device
 (the reference; helpers in test_pipeline_interleaved.py); the split's cost (B + W run
 the matrix products of one whole backward) and memory (1F1B's) from the compiled
-program; a slot's cost flat in m."""
+program; a slot's cost flat in m. ZB-V: two chunks per device in a V."""
 
 import re
 
@@ -31,6 +31,24 @@ from tests.parallel.test_pipeline_interleaved import (
 @pytest.mark.parametrize("m,policy", [(4, None), (8, None), (16, None), (8, "bf16")])
 def test_zero_bubble_matches_sequential(m, policy):
     check_against_sequential("zb-h1", m, 1, policy)
+
+
+@pytest.mark.parametrize("m,policy", [(4, None), (8, None), (16, "bf16")])
+def test_zero_bubble_v_matches_sequential(m, policy):
+    """ZB-V: device s runs model stages s and 2 P - 1 - s (params stacked in the
+    schedule's `stacking_order`); loss, gradients and state equal the sequential
+    model's."""
+    check_against_sequential("zbv", m, 2, policy)
+
+
+@pytest.mark.full_optimizations
+def test_zero_bubble_v_temp_bytes_bound():
+    """The same model as 1F1B's (4 residual blocks per device: two chunks of 2): ZB-V
+    keeps up to 2 P chunk-microbatches from F to W (P stages' worth, 1F1B's on device
+    0): at most 1.25 times 1F1B's temp bytes."""
+    base = temp_bytes("1f1b", 8, layers=4, **MEMORY)
+    got = temp_bytes("zbv", 8, v=2, layers=2, **MEMORY)
+    assert got <= 1.25 * base, (got, base, got / base)
 
 
 def test_zero_bubble_with_remat_matches_sequential():
