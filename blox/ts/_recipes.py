@@ -578,20 +578,25 @@ def fit_sysid(
     )
     if valid:
         _check_valid(model, valid)
-    bar = None
-    if progress:
-        bar = _require("tqdm", "fit_sysid(progress=True)").tqdm(
-            total=total, desc="fit_sysid", unit="step", leave=False
-        )
+    bar = _progress_bar(total) if progress else None
     step_fn = jax.jit(make_sysid_step(model, tx, noise=noise, bias=bias, loss=loss))
-    simulator = make_simulator(model) if valid else None
-    opt_state = tx.init(params.split()[0])
-    base_key = jax.random.key(seed)
     result = SysIdFit(params=params, best_step=0, best_score=float("nan"), steps=0)
     clock = _Clock()
-    pending: list[jax.Array] = []  # losses not yet read back from the device
-    best = np.inf
-    waited = 0
+    log = _StepLog(result, log_every, on_step, bar)
+    selection = None
+    if valid:
+        selection = _Selection(
+            model,
+            valid,
+            result,
+            clock,
+            bar,
+            per_epoch=per_epoch,
+            patience=patience,
+            on_eval=on_eval,
+        )
+    opt_state = tx.init(params.split()[0])
+    base_key = jax.random.key(seed)
     state = None
     it = iter(batches)
     try:
@@ -600,18 +605,8 @@ def fit_sysid(
                 clock.start = time.perf_counter()
             if bar is not None and per_epoch is not None and (n - 1) % per_epoch == 0:
                 bar.set_description(f"epoch {(n - 1) // per_epoch + 1}/{total // per_epoch}")
-            try:
-                batch = next(it)
-            except StopIteration:
-                raise ValueError(
-                    f"fit_sysid: the batches ran out after {n - 1} of {total} steps; repeat "
-                    "the pipeline (num_epochs=None) or ask for fewer steps."
-                ) from None
-            if "is_first" in batch:
-                if state is None:
-                    state, _ = model.initial_state(params, jnp.asarray(batch["u"])[:, 0])
-            else:
-                state = None
+            batch = _next_batch(it, n, total)
+            state = _carried_state(model, params, batch, state)
             t0 = time.perf_counter()
             params, opt_state, state, metrics = step_fn(
                 params, opt_state, state, dict(batch), jax.random.fold_in(base_key, n)
@@ -619,51 +614,125 @@ def fit_sysid(
             if n == 1:
                 jax.block_until_ready(params)
                 clock.compile_s = time.perf_counter() - t0
-            pending.append(metrics["loss"])
-            if len(pending) >= log_every:  # O(log_every) losses on the device, not O(steps)
-                result.losses.extend(_read_losses(pending))
-                pending = []
             result.steps = n
-            if on_step is not None:
-                on_step(n, float(metrics["loss"]))
-            if bar is not None:
-                bar.update(1)
-                if n % log_every == 0:
-                    bar.set_postfix(loss=f"{float(metrics['loss']):.4g}")
-            if not valid or (n % eval_every and n != total):
+            log.add(n, metrics["loss"])
+            if selection is None or (n % eval_every and n != total):
                 continue
-            clock.stop(params)
-            t0 = time.perf_counter()
-            scores, sims = evaluate_free_run(model, params, valid, simulator=simulator)
-            clock.eval_s += time.perf_counter() - t0
-            score = float(np.mean(scores["nrmse"]))
-            if not np.isfinite(score):
-                raise _diverged(n, score, params, sims, result.best_step, best)
-            entry = {"step": n, "score": score, **{k: v.tolist() for k, v in scores.items()}}
-            if per_epoch is not None:
-                entry["epoch"] = (n - 1) // per_epoch + 1
-            result.history.append(entry)
-            if bar is not None:
-                bar.set_postfix(loss=f"{float(metrics['loss']):.4g}", valid=f"{score:.4g}")
-            if on_eval is not None:
-                on_eval(entry)
-            if score < best:
-                best, waited = score, 0
-                result.params, result.best_step, result.best_score = copy.copy(params), n, score
-            else:
-                waited += 1
-                if patience is not None and waited >= patience:
-                    break
+            if selection.validate(n, params, metrics["loss"]):
+                break  # patience ran out
     finally:
         if bar is not None:
             bar.close()
     clock.stop(params)
-    result.losses.extend(_read_losses(pending))
+    log.flush()
+    return _finish(result, params, clock, chosen_by_valid=bool(valid), select=select)
+
+
+def _progress_bar(total: int) -> Any:
+    """A tqdm bar over the `total` steps (tqdm comes with ``blox[train]``)."""
+    return _require("tqdm", "fit_sysid(progress=True)").tqdm(
+        total=total, desc="fit_sysid", unit="step", leave=False
+    )
+
+
+def _next_batch(it: Any, n: int, total: int) -> Mapping[str, ArrayLike]:
+    """The batch of step `n`; batches that run out raise, naming the step."""
+    try:
+        return next(it)
+    except StopIteration:
+        raise ValueError(
+            f"fit_sysid: the batches ran out after {n - 1} of {total} steps; repeat "
+            "the pipeline (num_epochs=None) or ask for fewer steps."
+        ) from None
+
+
+def _carried_state(model: Any, params: Params, batch: Mapping[str, ArrayLike], state: Any) -> Any:
+    """The recurrent state a step starts from: carried over in TBPTT order (batches with
+    ``'is_first'``; a fresh one before the first), ``None`` (start fresh) otherwise."""
+    if "is_first" not in batch:
+        return None
+    if state is None:
+        state, _ = model.initial_state(params, jnp.asarray(batch["u"])[:, 0])
+    return state
+
+
+class _StepLog:
+    """Each step's loss: kept on the device and read back into ``result.losses``
+    `log_every` at a time (O(log_every) losses wait there, not O(steps)); passed to
+    `on_step` and shown on the progress bar."""
+
+    def __init__(self, result: SysIdFit, log_every: int, on_step, bar) -> None:
+        self.result, self.log_every, self.on_step, self.bar = result, log_every, on_step, bar
+        self.pending: list[jax.Array] = []  # losses not yet read back from the device
+
+    def add(self, n: int, loss: jax.Array) -> None:
+        """Records the loss of step `n`."""
+        self.pending.append(loss)
+        if len(self.pending) >= self.log_every:
+            self.flush()
+        if self.on_step is not None:
+            self.on_step(n, float(loss))
+        if self.bar is not None:
+            self.bar.update(1)
+            if n % self.log_every == 0:
+                self.bar.set_postfix(loss=f"{float(loss):.4g}")
+
+    def flush(self) -> None:
+        """Reads the pending losses back, in one transfer."""
+        self.result.losses.extend(_read_losses(self.pending))
+        self.pending = []
+
+
+class _Selection:
+    """Model selection by free-run validation: scores the params, records each
+    validation in ``result.history``, keeps the best params in `result`, and counts the
+    validations without improvement against `patience`."""
+
+    def __init__(
+        self, model, valid, result: SysIdFit, clock: _Clock, bar, *, per_epoch, patience, on_eval
+    ) -> None:
+        self.model, self.valid, self.result, self.clock, self.bar = model, valid, result, clock, bar
+        self.per_epoch, self.patience, self.on_eval = per_epoch, patience, on_eval
+        self.simulator = make_simulator(model)
+        self.best = np.inf
+        self.waited = 0
+
+    def validate(self, n: int, params: Params, loss: jax.Array) -> bool:
+        """Validates the params after step `n`; returns whether to stop (patience ran
+        out). A score that is not finite raises (see `_diverged`)."""
+        result, clock = self.result, self.clock
+        clock.stop(params)
+        t0 = time.perf_counter()
+        scores, sims = evaluate_free_run(self.model, params, self.valid, simulator=self.simulator)
+        clock.eval_s += time.perf_counter() - t0
+        score = float(np.mean(scores["nrmse"]))
+        if not np.isfinite(score):
+            raise _diverged(n, score, params, sims, result.best_step, self.best)
+        entry = {"step": n, "score": score, **{k: v.tolist() for k, v in scores.items()}}
+        if self.per_epoch is not None:
+            entry["epoch"] = (n - 1) // self.per_epoch + 1
+        result.history.append(entry)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{float(loss):.4g}", valid=f"{score:.4g}")
+        if self.on_eval is not None:
+            self.on_eval(entry)
+        if score < self.best:
+            self.best, self.waited = score, 0
+            result.params, result.best_step, result.best_score = copy.copy(params), n, score
+            return False
+        self.waited += 1
+        return self.patience is not None and self.waited >= self.patience
+
+
+def _finish(
+    result: SysIdFit, params: Params, clock: _Clock, *, chosen_by_valid: bool, select: str
+) -> SysIdFit:
+    """Fills in the final params, the timing, and the params `select` chose."""
     result.final_params = params
     result.compile_s, result.train_s, result.eval_s = clock.compile_s, clock.train_s, clock.eval_s
     if result.steps > 1 and clock.train_s > 0:
         result.steps_per_s = (result.steps - 1) / clock.train_s
-    if not valid:
+    if not chosen_by_valid:
         result.params, result.best_step = params, result.steps
     result.best_params = result.params
     if select == "final":
