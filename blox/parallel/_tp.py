@@ -69,7 +69,7 @@ class ColumnParallelLinear(Linear):
     """
 
     def __init__(
-        self, graph: Graph, output_size: int, rng: Rng | None, *, axis: str = "model", **kwargs
+        self, graph: Graph, output_size: int, rng: Rng | None, *, axis: str = "model", **kwargs: Any
     ):
         super().__init__(graph, output_size, rng, tp_axis=axis, tp_split="column", **kwargs)
 
@@ -100,7 +100,7 @@ class RowParallelLinear(Linear):
     """
 
     def __init__(
-        self, graph: Graph, output_size: int, rng: Rng | None, *, axis: str = "model", **kwargs
+        self, graph: Graph, output_size: int, rng: Rng | None, *, axis: str = "model", **kwargs: Any
     ):
         super().__init__(graph, output_size, rng, tp_axis=axis, tp_split="row", **kwargs)
 
@@ -199,7 +199,8 @@ class ParallelMultiHeadAttention(MultiHeadAttention):
     (1, 5, 8)
     """
 
-    def __init__(self, graph, model_size, num_heads, rng, *, axis="model", **kwargs):
+    def __init__(self, graph: Graph, model_size: int, num_heads: int, rng: Rng | None, *,
+                 axis: str = "model", **kwargs: Any):  # fmt: skip
         super().__init__(graph, model_size, num_heads, rng, tp_axis=axis, **kwargs)
 
 
@@ -245,7 +246,8 @@ class ParallelTransformerBlock(TransformerBlock):
     ((1, 4, 8), (8, 16))
     """
 
-    def __init__(self, graph, model_size, num_heads, rng, *, axis="model", **kwargs):
+    def __init__(self, graph: Graph, model_size: int, num_heads: int, rng: Rng | None, *,
+                 axis: str = "model", **kwargs: Any):  # fmt: skip
         super().__init__(graph, model_size, num_heads, rng, tp_axis=axis, **kwargs)
 
 
