@@ -16,7 +16,7 @@ kernel_size, output_channels, rng)``, ``C2f(graph, output_channels, rng)``,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 Activation = str | Callable[[jax.Array], jax.Array] | None
+_M = TypeVar("_M", bound=Module)
 
 
 def _kernel_tuple(kernel_size: int | Sequence[int]) -> tuple[int, ...]:
@@ -49,25 +50,6 @@ def _kernel_tuple(kernel_size: int | Sequence[int]) -> tuple[int, ...]:
 
 def _channel_axis(x: jax.Array, channels_first: bool) -> int:
     return 1 if channels_first else x.ndim - 1
-
-
-def _unit_kwargs(
-    activation: Activation,
-    bn_momentum: float,
-    bn_epsilon: float,
-    channels_first: bool,
-    dtype: Any | None,
-    param_dtype: Any,
-) -> dict[str, Any]:
-    """The settings a block passes on to each of its `ConvBNSiLU` units and sub-blocks."""
-    return dict(
-        activation=activation,
-        bn_momentum=bn_momentum,
-        bn_epsilon=bn_epsilon,
-        channels_first=channels_first,
-        dtype=dtype,
-        param_dtype=param_dtype,
-    )
 
 
 class ConvBNSiLU(Module):
@@ -177,7 +159,50 @@ class ConvBNSiLU(Module):
         return y, params
 
 
-class Bottleneck(Module):
+class _Block(Module):
+    """A YOLO block made of `ConvBNSiLU` units and smaller blocks that all share one set
+    of unit settings (activation, BatchNorm momentum and epsilon, layout, dtypes):
+    `_set_unit` records them, `_child` builds each part with them under this block's node."""
+
+    def _set_unit(
+        self,
+        activation: Activation,
+        bn_momentum: float,
+        bn_epsilon: float,
+        channels_first: bool,
+        dtype: Any | None,
+        param_dtype: Any,
+    ) -> None:
+        """Records the unit settings that `_child` passes on (call it in ``__init__``,
+        after ``super().__init__(graph)`` and the block's own checks)."""
+        self.channels_first = channels_first
+        self._unit = {
+            "activation": activation,
+            "bn_momentum": bn_momentum,
+            "bn_epsilon": bn_epsilon,
+            "channels_first": channels_first,
+            "dtype": dtype,
+            "param_dtype": param_dtype,
+        }
+
+    def _child(
+        self, cls: type[_M], name: str, *args: Any, under: Graph | None = None, **options: Any
+    ) -> _M:
+        """``cls(node.child(name), *args, **options)`` with this block's unit settings,
+        where node is `under` (default: this block's node)."""
+        node = self.graph if under is None else under
+        return cls(node.child(name), *args, **options, **self._unit)
+
+
+def _concat_cv2(
+    cv2: ConvBNSiLU, params: Params, parts: list[jax.Array], is_training: bool
+) -> tuple[jax.Array, Params]:
+    """`cv2` over the concatenation of `parts` along the channel axis."""
+    y = jnp.concatenate(parts, axis=_channel_axis(parts[0], cv2.channels_first))
+    return cv2(params, y, is_training=is_training)
+
+
+class Bottleneck(_Block):
     """Two `ConvBNSiLU` (``cv1``: ``k1``, ``C_out * expansion`` channels; ``cv2``:
     ``k2``, ``C_out`` channels, grouped) with a residual connection when ``shortcut``
     is set and ``C_in == C_out``.
@@ -231,18 +256,17 @@ class Bottleneck(Module):
                 f"expansion={expansion} gives {hidden} hidden channels; use a larger "
                 "expansion or more channels."
             )
-        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
+        self._set_unit(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.output_channels = output_channels
         self.shortcut = shortcut
-        self.channels_first = channels_first
-        self.cv1 = ConvBNSiLU(graph.child("cv1"), kernel_sizes[0], hidden, rng, **kw)
-        self.cv2 = ConvBNSiLU(
-            graph.child("cv2"),
+        self.cv1 = self._child(ConvBNSiLU, "cv1", kernel_sizes[0], hidden, rng)
+        self.cv2 = self._child(
+            ConvBNSiLU,
+            "cv2",
             kernel_sizes[1],
             output_channels,
             rng,
             feature_group_count=feature_group_count,
-            **kw,
         )
 
     def __call__(
@@ -256,7 +280,7 @@ class Bottleneck(Module):
         return y, params
 
 
-class C2f(Module):
+class C2f(_Block):
     """The YOLOv8 cross-stage-partial block: ``cv1`` (1x1) makes ``2c`` channels
     (``c = int(C_out * expansion)``), split in two halves ``a, b``; ``num_blocks``
     `Bottleneck` (``c`` channels, expansion 1, 3x3 kernels) run in a chain from ``b``;
@@ -314,22 +338,22 @@ class C2f(Module):
                 f"num_blocks >= 0, got output_channels={output_channels}, "
                 f"expansion={expansion}, num_blocks={num_blocks!r}."
             )
-        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
+        self._set_unit(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.hidden = c
-        self.channels_first = channels_first
-        self.cv1 = ConvBNSiLU(graph.child("cv1"), 1, 2 * c, rng, **kw)
-        self.cv2 = ConvBNSiLU(graph.child("cv2"), 1, output_channels, rng, **kw)
-        m = graph.child("m")
+        self.cv1 = self._child(ConvBNSiLU, "cv1", 1, 2 * c, rng)
+        self.cv2 = self._child(ConvBNSiLU, "cv2", 1, output_channels, rng)
+        m = self.graph.child("m")
         self.m = [
-            Bottleneck(
-                m.child(str(i)),
+            self._child(
+                Bottleneck,
+                str(i),
                 c,
                 rng,
                 shortcut=shortcut,
                 feature_group_count=feature_group_count,
                 kernel_sizes=(3, 3),
                 expansion=1.0,
-                **kw,
+                under=m,
             )
             for i in range(num_blocks)
         ]
@@ -339,15 +363,14 @@ class C2f(Module):
     ) -> tuple[jax.Array, Params]:
         """Returns ``(cv2(concat([a, b, m_0(b), ...])), params)``."""
         y, params = self.cv1(params, x, is_training=is_training)
-        ax = _channel_axis(y, self.channels_first)
-        parts = list(jnp.split(y, 2, axis=ax))
+        parts = list(jnp.split(y, 2, axis=_channel_axis(y, self.channels_first)))
         for block in self.m:
             z, params = block(params, parts[-1], is_training=is_training)
             parts.append(z)
-        return self.cv2(params, jnp.concatenate(parts, axis=ax), is_training=is_training)
+        return _concat_cv2(self.cv2, params, parts, is_training)
 
 
-class SPPF(Module):
+class SPPF(_Block):
     """Spatial pyramid pooling, fast: ``cv1`` (1x1) to ``hidden`` channels, three
     cascaded ``k x k`` max-pools (stride 1, padding ``k // 2``, so the size is kept;
     together they see 5x5, 9x9, 13x13 windows for ``k = 5``), and ``cv2`` (1x1) over the
@@ -403,31 +426,28 @@ class SPPF(Module):
                 f"SPPF '{self.path_str}': hidden_channels must be >= 1, got {hidden} "
                 f"(output_channels={output_channels}); pass hidden_channels=..."
             )
-        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
+        self._set_unit(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.kernel_size = kernel_size
-        self.channels_first = channels_first
-        self.cv1 = ConvBNSiLU(graph.child("cv1"), 1, hidden, rng, **kw)
-        self.cv2 = ConvBNSiLU(graph.child("cv2"), 1, output_channels, rng, **kw)
+        self.cv1 = self._child(ConvBNSiLU, "cv1", 1, hidden, rng)
+        self.cv2 = self._child(ConvBNSiLU, "cv2", 1, output_channels, rng)
 
     def __call__(
         self, params: Params, x: jax.Array, is_training: bool = True
     ) -> tuple[jax.Array, Params]:
         """Returns ``(cv2(concat([y, p(y), p(p(y)), p(p(p(y)))])), params)``."""
         y, params = self.cv1(params, x, is_training=is_training)
-        k, cf = self.kernel_size, self.channels_first
-        nsp = y.ndim - 2
+        k, window = self.kernel_size, (self.kernel_size,) * (y.ndim - 2)
         parts = [y]
         for _ in range(3):
-            parts.append(max_pool(parts[-1], (k,) * nsp, 1, k // 2, channels_first=cf))
-        ax = _channel_axis(y, cf)
-        return self.cv2(params, jnp.concatenate(parts, axis=ax), is_training=is_training)
+            parts.append(max_pool(parts[-1], window, 1, k // 2, channels_first=self.channels_first))
+        return _concat_cv2(self.cv2, params, parts, is_training)
 
 
 def _spatial(x: jax.Array, channels_first: bool) -> tuple[int, ...]:
     return tuple(x.shape[2:]) if channels_first else tuple(x.shape[1:-1])
 
 
-class YOLONeck(Module):
+class YOLONeck(_Block):
     """The YOLOv8 neck over three backbone scales ``(P3, P4, P5)`` (strides 8, 16, 32):
     a top-down FPN path (upsample x2 nearest, concatenate with the finer map, `C2f`) and
     a bottom-up PAN path (3x3 stride-2 `ConvBNSiLU`, concatenate, `C2f`):
@@ -472,15 +492,14 @@ class YOLONeck(Module):
                 f"YOLONeck '{self.path_str}': channels must be (c3, c4, c5), got {channels!r}."
             )
         c3, c4, c5 = channels
-        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
+        self._set_unit(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.channels = channels
-        self.channels_first = channels_first
-        self.top_p4 = C2f(graph.child("top_p4"), c4, rng, num_blocks=depth, **kw)
-        self.out_p3 = C2f(graph.child("out_p3"), c3, rng, num_blocks=depth, **kw)
-        self.down_p3 = ConvBNSiLU(graph.child("down_p3"), 3, c3, rng, strides=2, **kw)
-        self.out_p4 = C2f(graph.child("out_p4"), c4, rng, num_blocks=depth, **kw)
-        self.down_p4 = ConvBNSiLU(graph.child("down_p4"), 3, c4, rng, strides=2, **kw)
-        self.out_p5 = C2f(graph.child("out_p5"), c5, rng, num_blocks=depth, **kw)
+        self.top_p4 = self._child(C2f, "top_p4", c4, rng, num_blocks=depth)
+        self.out_p3 = self._child(C2f, "out_p3", c3, rng, num_blocks=depth)
+        self.down_p3 = self._child(ConvBNSiLU, "down_p3", 3, c3, rng, strides=2)
+        self.out_p4 = self._child(C2f, "out_p4", c4, rng, num_blocks=depth)
+        self.down_p4 = self._child(ConvBNSiLU, "down_p4", 3, c4, rng, strides=2)
+        self.out_p5 = self._child(C2f, "out_p5", c5, rng, num_blocks=depth)
 
     def __call__(
         self,
@@ -519,7 +538,7 @@ class YOLONeck(Module):
         return (o3, o4, o5), params
 
 
-class YOLOBackbone(Module):
+class YOLOBackbone(_Block):
     """A small YOLOv8-style backbone: a 3x3 stride-2 stem, then four stages of a 3x3
     stride-2 `ConvBNSiLU` and a `C2f` (with shortcuts), and `SPPF` at the end.
 
@@ -566,20 +585,14 @@ class YOLOBackbone(Module):
                 f"YOLOBackbone '{self.path_str}': widths needs 5 entries (stem and four "
                 f"stages) and depths 4, got widths={widths!r}, depths={depths!r}."
             )
-        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
+        self._set_unit(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
         self.widths, self.depths = widths, depths
-        self.channels_first = channels_first
-        self.stem = ConvBNSiLU(graph.child("stem"), 3, widths[0], rng, strides=2, **kw)
+        self.stem = self._child(ConvBNSiLU, "stem", 3, widths[0], rng, strides=2)
         self.downs, self.stages = [], []
-        for i in range(4):
-            w = widths[i + 1]
-            self.downs.append(ConvBNSiLU(graph.child(f"down_{i + 1}"), 3, w, rng, strides=2, **kw))
-            self.stages.append(
-                C2f(
-                    graph.child(f"stage_{i + 1}"), w, rng, num_blocks=depths[i], shortcut=True, **kw
-                )
-            )
-        self.sppf = SPPF(graph.child("sppf"), widths[4], rng, kernel_size=sppf_kernel, **kw)
+        for i, (w, n) in enumerate(zip(widths[1:], depths, strict=True), start=1):
+            self.downs.append(self._child(ConvBNSiLU, f"down_{i}", 3, w, rng, strides=2))
+            self.stages.append(self._child(C2f, f"stage_{i}", w, rng, num_blocks=n, shortcut=True))
+        self.sppf = self._child(SPPF, "sppf", widths[4], rng, kernel_size=sppf_kernel)
 
     def __call__(
         self, params: Params, x: jax.Array, is_training: bool = True
@@ -602,7 +615,7 @@ class YOLOBackbone(Module):
         return (outs[1], outs[2], p5), params
 
 
-class YOLOBackboneNeck(Module):
+class YOLOBackboneNeck(_Block):
     """`YOLOBackbone` followed by `YOLONeck`: images -> three feature maps
     ``(O3, O4, O5)`` at strides 8, 16, 32 with ``widths[2:]`` channels, ready for
     detection heads.
@@ -647,18 +660,13 @@ class YOLOBackboneNeck(Module):
         param_dtype: Any = jnp.float32,
     ):
         super().__init__(graph)
-        kw = _unit_kwargs(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
-        self.backbone = YOLOBackbone(
-            graph.child("backbone"),
-            rng,
-            widths=widths,
-            depths=depths,
-            sppf_kernel=sppf_kernel,
-            **kw,
+        self._set_unit(activation, bn_momentum, bn_epsilon, channels_first, dtype, param_dtype)
+        self.backbone = self._child(
+            YOLOBackbone, "backbone", rng, widths=widths, depths=depths, sppf_kernel=sppf_kernel
         )
         widths, depths = self.backbone.widths, self.backbone.depths
         depth = max(1, depths[-1]) if neck_depth is None else neck_depth
-        self.neck = YOLONeck(graph.child("neck"), rng, channels=widths[2:], depth=depth, **kw)
+        self.neck = self._child(YOLONeck, "neck", rng, channels=widths[2:], depth=depth)
 
     def __call__(
         self, params: Params, x: jax.Array, is_training: bool = True
