@@ -24,9 +24,10 @@ asserts the named error it raises (`Cell.error`).
 One model per feature: ``first_fn`` (an embedding `Linear` under ``net/``), ``n``
 identical units (column- then row-parallel `Linear`, plus the feature's layer; units run
 one per pipeline stage, at ``s0/``, ``s1/``, ... on the paths that take one `Params`),
-``last_fn`` (the head and the loss). Tensor-parallel layers compute the global math
-outside a ``shard_map`` over ``'model'``, and every layer is called through
-`blox.parallel.fsdp_call` (a plain call outside FSDP), so one model serves every path.
+``last_fn`` (the head and the loss). The column- and row-parallel layers split over
+``'model'`` on the paths with a model axis and are built unsharded (``axis=None``, the
+same parameters) on the others; every layer is called through `blox.parallel.fsdp_call`
+(a plain call outside FSDP), so one model serves every path.
 
 ``docs/composition.md`` holds the matrix as `render_doc` writes it;
 `test_doc_matches_the_table` fails when the two differ (regenerate with
@@ -444,13 +445,14 @@ class _Tally(bx.Module):
         return h, self.set_param(params, "count", n + jnp.sum(h > 0).astype(jnp.int32))
 
 
-def _unit(root: str, feature: Feature):
-    """One unit at Graph(root): ``h + tanh(row(tanh(col(h))))`` then the feature's layer."""
+def _unit(root: str, feature: Feature, tp: str | None):
+    """One unit at Graph(root): ``h + tanh(row(tanh(col(h))))`` then the feature's layer;
+    `tp`: the model axis the column/row layers split over (None: unsharded)."""
     g = bx.Graph(root)
     rng = bx.Rng(g / "rng")
-    col = bp.ColumnParallelLinear(g / "col", HIDDEN, rng, dtype=feature.dtype)
+    col = bp.ColumnParallelLinear(g / "col", HIDDEN, rng, axis=tp, dtype=feature.dtype)
     row = bp.RowParallelLinear(
-        g / "row", WIDTH, rng, dtype=feature.dtype, param_dtype=feature.row_dtype
+        g / "row", WIDTH, rng, axis=tp, dtype=feature.dtype, param_dtype=feature.row_dtype
     )
     layer = {
         "dropout": lambda: bx.Dropout(g / "drop", 0.5, rng),
@@ -470,12 +472,14 @@ def _unit(root: str, feature: Feature):
     return unit, rng
 
 
-def model(feature: Feature, n_units: int) -> Model:
-    return _model(feature.model_key, n_units)
+def model(feature: Feature, n_units: int, tp: str | None = None) -> Model:
+    """The row's model; `tp`: the model axis of a tensor-parallel path (the layers raise
+    inside a shard_map whose mesh lacks their axis), None elsewhere (same params)."""
+    return _model(feature.model_key, n_units, tp)
 
 
 @functools.cache
-def _model(feature: Feature, n_units: int) -> Model:
+def _model(feature: Feature, n_units: int, tp: str | None) -> Model:
     g = bx.Graph("net")
     rng = bx.Rng(g / "rng")
     embed = bx.Linear(g / "embed", WIDTH, rng, dtype=feature.dtype)
@@ -504,8 +508,8 @@ def _model(feature: Feature, n_units: int) -> Model:
             loss = loss * (1.0 + 0.5 * jax.random.uniform(key))
         return (loss, aux), params
 
-    stage_fn, stage_rng = _unit("stage", feature)
-    flat = [_unit(f"s{i}", feature) for i in range(n_units)]
+    stage_fn, stage_rng = _unit("stage", feature, tp)
+    flat = [_unit(f"s{i}", feature, tp) for i in range(n_units)]
     units = [u for u, _ in flat]
 
     def loss_fn(params, x, targets):
@@ -691,7 +695,7 @@ def run(feature: Feature, path: PathSpec):
 @functools.cache
 def _run(feature: Feature, path: PathSpec):
     n = path.units
-    m = model(feature, n)
+    m = model(feature, n, "model" if path.tp else None)
     shared, stages, flat = init(feature, n)
     x, t = _data()
     k = path.k * feature.micro
@@ -859,9 +863,10 @@ The model of each row: `first_fn` (an embedding `Linear`), 2 identical units (4 
 interleaved schedule: 2 stages x 2 chunks) of a column-parallel and a row-parallel
 `Linear` plus the row's layer, with a residual, and `last_fn` (a head `Linear` and the
 loss). A unit is a pipeline stage; the paths that take one `Params` hold the units at
-`s0/`, `s1/`, ... with the same values. The tensor-parallel layers compute the global
-math outside a `shard_map` over `model`, and every layer is called through
-`bp.fsdp_call` (a plain call outside FSDP), so one model serves every path. The batch
+`s0/`, `s1/`, ... with the same values. The column- and row-parallel layers split over
+`model` on the paths with a model axis and are built unsharded (`axis=None`, the same
+parameters) on the others; every layer is called through `bp.fsdp_call` (a plain call
+outside FSDP), so one model serves every path. The batch
 has 16 rows. The `ep` column runs `ep_value_and_grad` (which has no train step) on this
 model, which has no experts: it checks how expert parallelism carries the state of the
 rest of a model, its batch split over the expert axis as DP splits it; context
