@@ -626,6 +626,15 @@ def _fsdp_shards(
             ]
             if not hits:
                 continue
+            entry = spec[hits[0][1]]
+            last = entry[-1] if isinstance(entry, tuple) else entry
+            if len(hits) == 1 and trained and last != hits[0][0]:
+                raise ValueError(
+                    f"{where}: '{format_path(key)}' has spec {spec}: the data axis "
+                    f"{hits[0][0]!r} must be the last name of its dimension's entry (the "
+                    "step gathers each expert group's block over it), e.g. ('expert', "
+                    f"{hits[0][0]!r}), or on a dimension of its own."
+                )
             if len(hits) > 1 or not trained:
                 what = "several data-axis splits" if trained else "a non-trainable leaf split"
                 raise ValueError(

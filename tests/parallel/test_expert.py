@@ -1,8 +1,8 @@
 """Expert parallelism against one device (8 simulated CPU devices).
 
-* EP = 8 (Explicit mesh), EP x DP = 2 x 4 (Auto), EP x TP = 4 x 2 (tensor parallelism
-  inside the experts, Explicit) and EP x FSDP = 4 x 2 (expert kernels also split over
-  'data', gathered and reduce-scattered by the step; Explicit and Auto) train 3 steps
+* EP = 8, EP x DP = 2 x 4, EP x TP = 4 x 2 (tensor parallelism inside the experts) and
+  EP x FSDP = 4 x 2 (expert kernels also split over 'data', gathered and
+  reduce-scattered by the step), each on an Explicit and an Auto mesh, train 3 steps
   equal to one device (1e-5): a dropless `MoE` on one device (``ragged_dot``) against
   the dense all-to-all path with the worst-case capacity, the balancing and z losses
   weighted > 0, the routing bias updated every step from the global loads.
@@ -163,15 +163,21 @@ FSDP_RULES = [
     "shape, names, kind, batch_axes, data_axes, fsdp, n",
     [
         ((8,), ("expert",), "explicit", "expert", None, False, 8),
+        ((8,), ("expert",), "auto", "expert", None, False, 8),
         ((4, 2), ("data", "expert"), "auto", ("data", "expert"), "data", False, 2),
+        ((4, 2), ("data", "expert"), "explicit", ("data", "expert"), "data", False, 2),
         ((4, 2), ("expert", "model"), "explicit", "expert", None, False, 8),
+        ((4, 2), ("expert", "model"), "auto", "expert", None, False, 8),
         ((2, 4), ("data", "expert"), "explicit", ("data", "expert"), "data", True, 8),
         ((2, 4), ("data", "expert"), "auto", ("data", "expert"), "data", True, 8),
     ],
     ids=[
         "ep8-explicit",
+        "ep8-auto",
         "dp4xep2-auto",
+        "dp4xep2-explicit",
         "ep4xtp2-explicit",
+        "ep4xtp2-auto",
         "fsdp2xep4-explicit",
         "fsdp2xep4-auto",
     ],
@@ -470,6 +476,11 @@ def test_fsdp_specs_misuse_is_named():
         trace(specs)
     with pytest.raises(TypeError, match=r"specs must be the params' PartitionSpec tree"):
         trace(dict(specs.arrays()))
+    specs = bp.param_specs(
+        params, [("experts/up", (("data", "expert"), None, None)), (".*", None)], mesh
+    )
+    with pytest.raises(ValueError, match=r"'net/moe/experts/up' .* must be the last name"):
+        trace(specs)
 
 
 def test_microbatches_weights_and_a_bias_set_in_the_loss_equal_one_device():
