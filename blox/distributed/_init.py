@@ -511,14 +511,11 @@ def _timeouts(
 def _group_settings(given: Mapping[str, Any], timeout: float) -> tuple[str, int, int, str] | None:
     """``(address, count, id, source)`` of the group, from the arguments, else the
     ``BLOX_*`` environment, else a cluster JAX detects; ``None`` for a process alone."""
-    if any(v is not None for v in given.values()):
-        missing = [k for k, v in given.items() if v is None]
-        if missing:
-            raise ValueError(
-                f"initialize: {', '.join(missing)} missing; pass all three of "
-                "coordinator_address, num_processes and process_id, or none (then the "
-                "BLOX_* environment or the cluster's is used)."
-            )
+    if _all_or_none(
+        given,
+        "missing; pass all three of coordinator_address, num_processes and process_id, or "
+        "none (then the BLOX_* environment or the cluster's is used).",
+    ):
         return (
             given["coordinator_address"],
             given["num_processes"],
@@ -530,19 +527,28 @@ def _group_settings(given: Mapping[str, Any], timeout: float) -> tuple[str, int,
         ENV_NUM_PROCESSES: _int_env(ENV_NUM_PROCESSES),
         ENV_PROCESS_ID: _int_env(ENV_PROCESS_ID),
     }
-    if any(v is not None for v in env.values()):
-        missing = [k for k, v in env.items() if v is None]
-        if missing:
-            raise ValueError(
-                f"initialize: {', '.join(missing)} not set while other BLOX_* variables "
-                "are; set all three (python -m blox.launch does) or none."
-            )
+    if _all_or_none(
+        env,
+        "not set while other BLOX_* variables are; set all three (python -m blox.launch "
+        "does) or none.",
+    ):
         address, count, pid = env.values()
         return address, count, pid, "environment"
     address, count, pid, source = _detect_cluster(timeout)
     if count is None or count <= 1:
         return None
     return address, count, pid, source
+
+
+def _all_or_none(settings: Mapping[str, Any], problem: str) -> bool:
+    """Whether `settings` are given: all of them (True) or none (False); only some raise
+    a ``ValueError`` naming the missing ones, then `problem`."""
+    if all(v is None for v in settings.values()):
+        return False
+    missing = [k for k, v in settings.items() if v is None]
+    if missing:
+        raise ValueError(f"initialize: {', '.join(missing)} {problem}")
+    return True
 
 
 def _check_rank(count: int, pid: int) -> None:
