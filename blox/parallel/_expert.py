@@ -519,8 +519,9 @@ def ep_value_and_grad(
     Raises:
       ValueError: an axis not bound, ``check_vma=False``, a batch not divisible by
         `microbatches`, an unlisted `Rng` that draws, a new parameter, integer state that
-        differs between devices, a leaf split over a data axis on several dimensions (or
-        a non-trainable one split over a data axis).
+        differs between devices, a leaf split over a data axis on several dimensions or
+        not as the last name of its entry (or a non-trainable one split over a data
+        axis).
     """
     where = "ep_value_and_grad"
     data = _as_axes(data_axes, "data_axes")
