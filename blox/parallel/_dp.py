@@ -200,7 +200,8 @@ def accumulate_microbatches(
     `clean_state` / `clean_grads` strip what the caller added to the params for the
     forward (FSDP's shard marks) from the returned state and gradients.
     `reduced_inside`: paths whose gradients the backward already summed over the axis
-    (FSDP's per-layer reduce-scatter); a weight-0 part zeroes only the other, local ones.
+    (FSDP's per-layer reduce-scatter); of a weight-0 part, only the other, local ones
+    lose their non-finite entries.
     Each call of `loss_fn` is checked (at trace time) for parameters it creates
     (`check_no_new_params`) and for `Rng` counters it advances whose `Rng` is not in
     `rngs` (`check_rngs_listed`). The sums (gradients, loss, floating aux, weight) are
@@ -226,10 +227,13 @@ def accumulate_microbatches(
         # Summed over microbatches and shards in reduce_dtype (f32 for bf16 gradients).
         grads = to_reduce_dtype(clean_grads(grads), reduce_dtype)
         if w is not None:
-            # A weight-0 microbatch (all padding) contributes nothing: its masked-mean
-            # loss is 0/0, and the `where` in `inner` zeroes the loss but not its
-            # gradients (0 * inf = NaN in the backward), so they are dropped here.
-            zero = lambda g: jnp.where(w > 0, g, jnp.zeros((), g.dtype))  # noqa: E731
+            # A weight-0 microbatch (all padding) contributes nothing of its own: the
+            # `where` in `inner` sends its loss a zero cotangent, but an unguarded
+            # masked mean (0/0) turns that into NaN in the backward, so non-finite
+            # entries are dropped here. Finite ones stay: they are zero, except what a
+            # collective in the loss (a global term over every shard, e.g. an MoE's
+            # balancing loss) sends this shard from the others.
+            zero = lambda g: jnp.where((w > 0) | jnp.isfinite(g), g, jnp.zeros((), g.dtype))  # noqa: E731
             values = tuple(
                 g if key in reduced_inside else zero(g)
                 for key, g in zip(grads.keys(), grads.leaves(), strict=True)

@@ -481,10 +481,10 @@ def ep_value_and_grad(
       gradients, even when its loss is NaN). The expert kernels' gradients arrive
       through the all-to-all's transpose, before the weight is known, so a NaN from an
       unguarded masked mean (``0 / 0``) would reach them: divide by
-      ``jnp.maximum(count, 1)``. A part of weight 0 also drops the non-expert gradient
+      ``jnp.maximum(count, 1)``. With that guard a part of weight 0 keeps the gradient
       that other devices' parts send it through a collective in the loss (an `MoE`'s
-      global balancing and z losses, with ``token_axes``): with an MoE, give every part
-      some weight, or leave the balancing out of the weighted loss;
+      global balancing and z losses, with ``token_axes``): only non-finite entries of
+      a weight-0 part are dropped;
     * `rngs`: their seeds are folded with the indices along the batch axes (in the order
       ``data_axes + (expert_axis,)``) and restored after; an `Rng` that draws keys but
       is not listed raises, naming it;

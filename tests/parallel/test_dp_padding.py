@@ -169,3 +169,48 @@ def test_fsdp_with_an_all_padding_shard_gives_the_real_rows_gradients(gather, gu
         ref_loss, ref_grads = _reference()
     np.testing.assert_allclose(float(loss), float(ref_loss), **F32)
     _close(grads, ref_grads)
+
+
+def test_an_all_padding_shard_keeps_what_a_global_term_sends_its_gradients():
+    """A loss with a term computed over every shard's rows (a ``psum`` in the loss, as an
+    MoE's global balancing loss): the all-padding shard's own masked mean adds nothing,
+    but the global term's gradient through that shard's rows still arrives (before, the
+    weight-0 shard's whole gradient was dropped). The masked mean is guarded
+    (``maximum(count, 1)``), so that shard's gradients are finite.
+
+    Reference: one device, the real rows' mean cross-entropy plus the same term over all
+    rows."""
+    model, params, x, mask = _setup()
+    c = 0.5
+
+    def loss_fn(p, x, m):
+        logits, p = model(p, x)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.roll(x, -1, axis=1))
+        w = jnp.sum(m)
+        term = jax.lax.psum(jnp.sum(jnp.tanh(logits)), "data") / (ROWS * T * VOCAB)
+        return (jnp.sum(ce * m) / jnp.maximum(w, 1.0) + c * term, {"weight": w}), p
+
+    mesh = bp.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    f = bp.dp_value_and_grad(loss_fn, has_aux=True)
+    spec = P("data")
+    run = jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=(P(), spec, spec), out_specs=(P(), P(), P()))
+    )
+
+    def reference(t):
+        rows = mask.any(axis=1)
+        ce, _ = _per_token(model, t, jnp.asarray(x[rows]))
+        logits, _ = model(t, jnp.asarray(x))
+        return jnp.mean(ce[mask[rows]]) + c * jnp.mean(jnp.tanh(logits))
+
+    with jax.default_matmul_precision("highest"):
+        (loss, _), grads, _ = run(
+            jax.device_put(params, NamedSharding(mesh, P())),
+            *(
+                jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
+                for a in (x, mask.astype(np.float32))
+            ),
+        )
+        ref_loss, ref_grads = jax.value_and_grad(reference)(params.split()[0])
+    np.testing.assert_allclose(float(loss), float(ref_loss), **F32)
+    _close(grads, ref_grads)
