@@ -282,7 +282,8 @@ def slot_busy_times(first_fn, stage_fn, last_fn, shared, stage, rows, number, re
 def split_cells(stage_fn, stage, rows, number, repeat):
     """Seconds of the cells the runtime runs for one stage (no ``first_fn`` /
     ``last_fn``) on one microbatch, from the stash as the runtime does: the forward (the
-    stage's VJP forward, residuals out), the fused backward (1F1B's B), and the split
+    stage's VJP forward, residuals out), the fused backward (the B of the tables without
+    W: the whole backward, products row-major as on a CPU mesh), and the split
     backward's B (input cotangent, keeping what W needs) and W (weight gradient from
     what B kept), the runtime's own `_SplitBackward`. ``{'F', 'backward', 'B', 'W'}``."""
     from blox.parallel import _pipeline as pl
@@ -305,10 +306,19 @@ def split_cells(stage_fn, stage, rows, number, repeat):
         return out, [x for x, k in zip(jax.tree.leaves(vjp_fn), layout.stashed, strict=True) if k]
 
     f = jax.jit(fwd)
-    fused = jax.jit(lambda r, q, ct: pl._rebuild_vjp(layout, r, q)(ct))
-    b_in = jax.jit(lambda r, q, ct: pl._backward_input(sb, r, q, ct))
+    fused = jax.jit(lambda r, q, ct: pl._backward_whole(sb, r, q, ct))
+    # B's outputs as the runtime writes them: the input cotangent and the values it
+    # computes for W (the stashed values W reads stay in the stash entry, not copied)
+    stashed = set(sb.ins[: sb.n_res])
+    computed = [i for i, k in enumerate(sb.keep) if k not in stashed]
+
+    def backward_input(r, q, ct):
+        d_h, values = pl._backward_input(sb, r, q, ct)
+        return d_h, [values[i] for i in computed]
+
+    b_in = jax.jit(backward_input)
     w = jax.jit(lambda q, kept: pl._backward_weight(sb, q, kept))
-    kept = b_in(res, pres, h)[1]
+    kept = jax.jit(lambda r, q, ct: pl._backward_input(sb, r, q, ct)[1])(res, pres, h)
     cells = {
         "F": lambda: jax.block_until_ready(f(tr, h)),
         "backward": lambda: jax.block_until_ready(fused(res, pres, h)),
@@ -325,18 +335,21 @@ def split_cells(stage_fn, stage, rows, number, repeat):
 
 
 def weighted_idle(schedule, busy, cells) -> float:
-    """`Schedule.idle_fraction` with the measured cell times, one per virtual stage
-    (`busy`: the times of the cells of one stage of the schedule's size; a split
-    backward's B and W: the runtime's own, `cells`, plus stage 0's ``first_fn``)."""
+    """`Schedule.idle_fraction` with the measured cell times, one per virtual stage: the
+    runtime's own cells of one stage of the schedule's size (`cells`: F, the fused
+    backward, or a split backward's B and W) plus what the stage's position adds
+    (`busy`: ``first_fn``'s pullback in stage 0's backward, ``last_fn``'s value and
+    gradient in the last stage's forward)."""
     n = schedule.num_stages * schedule.virtual_stages
     kinds = ["first"] + ["mid"] * (n - 2) + ["last"]
+    extra = {k: [busy[k][j] - busy["mid"][j] for j in range(3)] for k in kinds}
+    f = [1e6 * cells["F"] + extra[k][0] for k in kinds]
     if schedule.split_backward:
-        extra = {k: busy[k][2] - busy["mid"][2] for k in kinds}
-        b = [1e6 * cells["B"] + extra[k] for k in kinds]
+        b = [1e6 * cells["B"] + extra[k][2] for k in kinds]
         w = 1e6 * cells["W"]
     else:
-        b, w = [busy[k][1] for k in kinds], 0.0
-    return schedule.idle_fraction(forward=[busy[k][0] for k in kinds], backward=b, weight=w)
+        b, w = [1e6 * cells["backward"] + extra[k][1] for k in kinds], 0.0
+    return schedule.idle_fraction(forward=f, backward=b, weight=w)
 
 
 def save_plot(ms, mem, per_mb, path):
