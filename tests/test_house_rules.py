@@ -13,7 +13,13 @@ The rules, checked on the syntax of the source tree:
    are read from the public type, ``jax.typeof(x).manual_axis_type.varying``
    (``blox.core._sharding.varying_axes``).
 4. No function body over 80 lines (nested functions count toward their parent), except
-   the ones listed in `ALLOWED_LONG`, which only shrinks.
+   the ones listed in `ALLOWED_LONG` (none), which only shrinks.
+5. Tensor parallelism is a mode of the nn layers: the TP names are subclasses of their
+   nn layers with no computation of their own, and ``parallel/_tp.py`` repeats no run of
+   6 lines of the nn layers (or of itself); ``nn/_yolo.py`` repeats no run of more than
+   10 lines (`repeated_runs`, exact runs: a proxy for the `duplicates` tool, which CI
+   does not have).
+6. No issue numbers in docs or code: ``tests/test_no_issue_numbers.py``.
 
 Each checker takes the repository root, so the tests also run it on a planted violation
 in a temporary tree and see it found. The last tests check the public `Params` methods the
@@ -208,6 +214,76 @@ def test_no_function_over_80_lines():
     )
 
 
+def _code_lines(text: str) -> list[tuple[int, str]]:
+    """``(line number, line)`` of the lines that count for repetition: stripped of white
+    space, without blank lines, comments, imports and lone punctuation (as the
+    `duplicates` tool reads code)."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        s = " ".join(line.split())
+        if not s or s.startswith("#") or s.startswith(("import ", "from ")):
+            continue
+        if all(c in "()[]{},:;" for c in s):
+            continue
+        out.append((n, s))
+    return out
+
+
+def repeated_runs(a: str, b: str | None, min_lines: int) -> list[tuple[int, int, int]]:
+    """``(line in a, line in b, length)`` of every maximal run of at least `min_lines`
+    identical counted lines shared by texts `a` and `b` (`b` None: `a` with itself, the
+    two places apart)."""
+    la = _code_lines(a)
+    lb = la if b is None else _code_lines(b)
+    found = []
+    for i in range(len(la)):
+        for j in range(i + 1 if b is None else 0, len(lb)):
+            if i and j and la[i - 1][1] == lb[j - 1][1]:
+                continue  # inside a run found from its start
+            k = 0
+            while i + k < len(la) and j + k < len(lb) and la[i + k][1] == lb[j + k][1]:
+                if b is None and i + k >= j:
+                    break
+                k += 1
+            if k >= min_lines:
+                found.append((la[i][0], lb[j][0], k))
+    return found
+
+
+TP_TWINS = {
+    "ColumnParallelLinear": "Linear",
+    "RowParallelLinear": "Linear",
+    "ParallelMLP": "MLP",
+    "ParallelMultiHeadAttention": "MultiHeadAttention",
+    "ParallelTransformerBlock": "TransformerBlock",
+}
+
+
+def test_tensor_parallel_layers_are_their_nn_layers():
+    """Tensor parallelism is a mode of the nn layers: each TP name is a subclass of its
+    nn layer that adds no computation of its own, and parallel/_tp.py shares no run of 6
+    lines with the nn layers' files (nor with itself)."""
+    import blox as bx
+    from blox import parallel as bp
+
+    for tp, nn in TP_TWINS.items():
+        cls = getattr(bp, tp)
+        assert issubclass(cls, getattr(bx, nn)), (tp, nn)
+        own = {k for k, v in vars(cls).items() if callable(v) and not k.startswith("__")}
+        assert not own and "__call__" not in vars(cls), (tp, own)
+    tp_src = (ROOT / "blox/parallel/_tp.py").read_text()
+    for nn_file in ("_linear.py", "_attention.py", "_transformer.py"):
+        nn_src = (ROOT / "blox/nn" / nn_file).read_text()
+        assert not repeated_runs(nn_src, tp_src, 6), nn_file
+    assert not repeated_runs(tp_src, None, 6)
+
+
+def test_yolo_blocks_share_their_construction():
+    """blox/nn/_yolo.py repeats no run of more than 10 lines."""
+    runs = repeated_runs((ROOT / "blox/nn/_yolo.py").read_text(), None, 11)
+    assert not runs, runs
+
+
 # ---------------------------------------------------------------------------
 # Each checker finds a planted violation
 # ---------------------------------------------------------------------------
@@ -390,3 +466,13 @@ def test_params_metadata_entries_and_with_metadata():
         params.with_metadata({("net", "c"): {}})
     with pytest.raises(TypeError, match="must be hashable"):
         params.with_metadata({("net", "b"): {"x": [1, [2, {3}]]}})
+
+
+def test_repeated_runs_finds_a_planted_repetition():
+    block = "\n".join(f"x{i} = f(x{i - 1}, {i})" for i in range(1, 8))
+    a = f"def one():\n{textwrap.indent(block, '    ')}\n    return x7\n"
+    b = f"# another file\nimport os\n\ndef two():\n{textwrap.indent(block, '  ')}\n"
+    assert repeated_runs(a, b, 6) == [(2, 5, 7)]
+    assert repeated_runs(a, b, 8) == []
+    assert repeated_runs(a + "\n" + a, None, 6) == [(1, 11, 9)]  # line 10 is blank
+    assert repeated_runs(a, None, 2) == []
