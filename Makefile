@@ -34,7 +34,7 @@ lint: $(VENV)/.test
 	$(BIN)/ruff format --check blox tests examples benchmarks
 
 # Each script rewrites its own section of docs/benchmarks.md; a missing script is skipped.
-BENCHES := core_overhead train_step layers_speed transformer_speed cnn_speed ckpt_speed data_speed parallel_speed pipeline_speed ts_speed rl_speed
+BENCHES := core_overhead train_step layers_speed transformer_speed cnn_speed ckpt_speed data_speed parallel_speed pipeline_speed context_speed moe_speed ts_speed rl_speed
 
 bench: $(VENV)/.test
 	for b in $(BENCHES); do \
