@@ -6,19 +6,22 @@ The runtime, top to bottom:
 
 * `pipeline_value_and_grad` resolves the schedule and returns ``step``, a
   ``jax.shard_map`` (``check_vma=True``) of `_pipeline_body` over the whole mesh.
-* `_pipeline_body` (one device) folds the data index into the listed `Rng` seeds,
-  checks the three functions once at trace time (`_check_fns`: no new parameter, every
-  drawing `Rng` listed; `_check_int_state`; `_shared_plan`: how the shared state that
-  ``first_fn`` and ``last_fn`` change is merged) and probes the stage's VJP once
-  (`_residual_layout`): which residuals depend on the activation or the stage's state
-  (stashed per microbatch) and which only on the params (computed once per step and per
-  chunk, `_param_residuals`). It allocates the buffers (`_Buffers`: stash, forward inbox,
-  backward inbox, and the cotangents a split backward keeps from B to W), sized by
-  `Schedule.program`, and runs one ``lax.scan`` of `_slot` over the table's time slots,
-  accumulating gradients and the loss terms (``loss / (m D)``, or ``loss * weight``) in
-  the reduction dtype; then `_reduce` sums them (``psum`` over the stage axis and the
-  data axis; stage leaves sharded over the data axis (FSDP) arrive reduce-scattered by
-  ``fsdp_call``), divides by the total weight and casts back to the params' dtypes.
+* `_pipeline_body` (one device) runs named steps. `_local`: its share of the arguments,
+  typed as varying over the stage and data axes, the data index folded into the listed
+  `Rng` seeds. `_probe`: checks the three functions once at trace time (`_check_fns`: no
+  new parameter, every drawing `Rng` listed; `_check_int_state`; `_shared_plan`: how the
+  shared state that ``first_fn`` and ``last_fn`` change is merged) and probes the stage's
+  VJP once (`_residual_layout`): which residuals depend on the activation or the stage's
+  state (stashed per microbatch) and which only on the params. `_context`: what every
+  slot sees (`_Ctx`: the program, the residuals of the params, computed once per step and
+  per chunk, and the traced backward `_SplitBackward` where it runs). `_buffers`: stash,
+  forward inbox, backward inbox and the ``kept`` cotangents a split backward passes from
+  B to W (`_Buffers`), sized by `Schedule.program`. Then one ``lax.scan`` of `_slot` over
+  the table's time slots accumulates gradients and the loss terms (``loss / (m D)``, or
+  ``loss * weight``) in the reduction dtype, and `_reduce` sums them (``psum`` over the
+  stage axis and the data axis; stage leaves sharded over the data axis (FSDP) arrive
+  reduce-scattered by ``fsdp_call``), divides by the total weight and casts back to the
+  params' dtypes.
 * `_slot` (one time slot) runs this device's cell of the program, one action after the
   other (`_lane`; a cell may hold several, e.g. two forwards under ``'1f1b-2f'``): each
   reads the entries the program names (``dynamic_slice``: inbox, stash, kept cotangent,
@@ -1599,6 +1602,47 @@ def _pipeline_body(cfg: _Static, stage_params, shared_params, inputs, targets):
     return _reduce(cfg, acc, shared_params.split()[1], probe.plan, ends, dtypes)
 
 
+def _settle_shared(
+    cfg: _Static, plan: _SharedPlan, ends: tuple, st_sh_old: Params, st_sh_new: Params
+) -> Params:
+    """The shared state at the step's end, per leaf as `plan` says: unchanged, from the
+    device of the first virtual stage (``first_fn``'s changes; `ends[0]`) or of the last
+    (``last_fn``'s; `ends[1]`), or counted (a counter both advance by a fixed amount)."""
+    m = cfg.schedule.num_microbatches
+
+    def settle(source, k, old, new):
+        if source == "keep":
+            return old
+        if source == "count":
+            ((a, b),) = [(a, b) for j, a, b in plan.counters if j == k]
+            return old + jnp.asarray(m * (a + b), old.dtype)
+        on = ends[0] if source == "first" else ends[1]
+        return lax.psum(jnp.where(on, new, jnp.zeros_like(new)), cfg.stage_axis)
+
+    old_leaves, treedef = jax.tree.flatten(st_sh_old)
+    new_leaves = jax.tree.leaves(st_sh_new)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            settle(src, k, old, new)
+            for k, (src, old, new) in enumerate(
+                zip(plan.sources, old_leaves, new_leaves, strict=True)
+            )
+        ],
+    )
+
+
+def _over_data(x: jax.Array, data: str) -> jax.Array:
+    """State leaf `x` made equal over the data shards: floating state (running
+    statistics) averaged; integer state (Rng seed and counter), which advances alike on
+    every shard, kept in its dtype (pmax of equal values)."""
+    if data not in varying_axes(x):
+        return x
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return lax.pmean(x, data)
+    return lax.pmax(x, data)
+
+
 def _reduce(
     cfg: _Static,
     acc: _Acc,
@@ -1610,31 +1654,10 @@ def _reduce(
     """Loss, aux and gradients summed over the stages and the data axis (FSDP leaves
     arrive reduce-scattered over it: summed already), in the reduction dtype, then
     divided by the total weight (weighted losses) and cast to the params' (loss's, aux's)
-    dtypes; the shared state as `plan` says (from device 0 for ``first_fn``'s changes,
-    p - 1 for ``last_fn``'s, counted for counters both advance)."""
+    dtypes; the shared state as `plan` says (`_settle_shared`)."""
     axis, data = cfg.stage_axis, cfg.data_axis
-    on_first, on_last = ends
-    m, v = cfg.schedule.num_microbatches, cfg.schedule.virtual_stages
-
-    def settle(source, k, old, new):
-        if source == "keep":
-            return old
-        if source == "count":
-            ((a, b),) = [(a, b) for j, a, b in plan.counters if j == k]
-            return old + jnp.asarray(m * (a + b), old.dtype)
-        on = on_first if source == "first" else on_last
-        return lax.psum(jnp.where(on, new, jnp.zeros_like(new)), axis)
-
-    old_leaves, treedef = jax.tree.flatten(st_sh_old)
-    st_sh = jax.tree.unflatten(
-        treedef,
-        [
-            settle(src, k, old, new)
-            for k, (src, old, new) in enumerate(
-                zip(plan.sources, old_leaves, jax.tree.leaves(acc.st_sh), strict=True)
-            )
-        ],
-    )
+    v = cfg.schedule.virtual_stages
+    st_sh = _settle_shared(cfg, plan, ends, st_sh_old, acc.st_sh)
     terms, g_sh = lax.psum((acc.terms, acc.g_sh), axis)
     st = acc.st
     g = _without_marks(acc.g)
@@ -1643,24 +1666,13 @@ def _reduce(
         # `fsdp_call`'s gather): summed already; the others are summed by one psum.
         fsdp = dict(cfg.fsdp)
         arrays = g.arrays()  # in the order of g's leaves
-        rep = [v for k, v in arrays.items() if k not in fsdp]
+        rep = [x for k, x in arrays.items() if k not in fsdp]
         terms, rep, g_sh = lax.psum((terms, rep, g_sh), data)
         it = iter(rep)
         g = jax.tree.unflatten(
-            jax.tree.structure(g), [v if k in fsdp else next(it) for k, v in arrays.items()]
+            jax.tree.structure(g), [x if k in fsdp else next(it) for k, x in arrays.items()]
         )
-
-        # Floating state (running statistics) is averaged over the data shards; integer
-        # state (Rng seed and counter) advances identically on every shard and keeps its
-        # dtype (pmax of equal values).
-        def over_data(v):
-            if data not in varying_axes(v):
-                return v
-            if jnp.issubdtype(v.dtype, jnp.floating):
-                return lax.pmean(v, data)
-            return lax.pmax(v, data)
-
-        st, st_sh = jax.tree.map(over_data, (st, st_sh))
+        st, st_sh = jax.tree.map(lambda x: _over_data(x, data), (st, st_sh))
     loss, aux, w = terms
     if w is not None:
         denom = jnp.where(w > 0, w, jnp.ones((), w.dtype))
@@ -1702,8 +1714,8 @@ def pipeline_value_and_grad(
     reduce_dtype: Any = None,
 ) -> Callable[..., tuple[Any, tuple[Params, Params], tuple[Params, Params]]]:
     """Builds ``step(stage_params, shared_params, inputs, targets)`` that runs a pipelined
-    forward and backward after a GPipe, 1F1B, interleaved 1F1B or ZB-H1 schedule (or your
-    `Schedule` table) and returns the mean loss, the gradients and the updated
+    forward and backward after a GPipe, 1F1B, interleaved 1F1B, ZB-H1 or ZB-V schedule
+    (or your `Schedule` table) and returns the mean loss, the gradients and the updated
     non-trainable state.
 
     The model is ``last_fn(first_fn(inputs) -> stage 0 -> ... -> stage p-1, targets)``:
@@ -1766,8 +1778,10 @@ def pipeline_value_and_grad(
         chunks, model stages ``s, p + s, ...``; bubble ``(p - 1) / (v m + p - 1)``, up to
         ``1 + (p - 1) / (v p)`` times 1F1B's stash), ``'zb'`` / ``'zb-h1'`` (zero bubble:
         the backward split into the input cotangent and the weight gradient, which fills
-        the idle slots; 1F1B's stash) or a `Schedule` for ``p`` stages and ``m``
-        microbatches.
+        the idle slots; 1F1B's stash), ``'zbv'`` / ``'zb-v'`` (ZB-V: two chunks per device
+        in a V, device ``s`` running model stages ``s`` and ``2 p - 1 - s``, the backward
+        split; stack the params in `Schedule.stacking_order`) or a `Schedule` for ``p``
+        stages and ``m`` microbatches.
       num_microbatches: ``m``; required unless `schedule` is a `Schedule`.
       first_fn: as above; ``None`` passes the inputs to stage 0 unchanged.
       stage_axis: the pipeline mesh axis.
@@ -1802,9 +1816,9 @@ def pipeline_value_and_grad(
       virtual_stages: ``v``, the stage chunks per device (``'interleaved'`` needs
         ``v >= 2``); ``None``: 1, or the `Schedule`'s own. With ``v > 1`` the model has
         ``v p`` stages and `stage_params` leaves are ``(v, p, ...)``
-        (``stack_stages(stages, virtual_stages=v)``); `first_fn` runs before model stage 0
-        (chunk 0 of device 0), `last_fn` after model stage ``v p - 1`` (chunk ``v - 1``
-        of device ``p - 1``).
+        (``stack_stages(stages, virtual_stages=v)``, in the schedule's `stacking_order`);
+        `first_fn` runs before model stage 0 (chunk 0 of device 0), `last_fn` after model
+        stage ``v p - 1`` (chunk ``v - 1`` of device ``p - 1``; ZB-V: chunk 1 of device 0).
 
     Returns:
       ``step(stage_params, shared_params, inputs, targets) -> (loss, (stage_grads,
