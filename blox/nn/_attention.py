@@ -13,7 +13,7 @@ from jax.typing import ArrayLike
 from blox.core import Graph, Module, Params, Rng
 from blox.core._errors import BloxKeyError
 from blox.nn._linear import Linear, tp_axis_size
-from blox.nn._position import apply_rotary
+from blox.nn._position import apply_rotary, check_context_axis, context_shard, global_positions
 
 __all__ = ["MultiHeadAttention"]
 
@@ -161,6 +161,30 @@ def check_attention_config(
     return head_dim, num_kv_heads
 
 
+_CONTEXT_VARIANTS = ("ring", "allgather")
+
+
+def check_context_config(
+    where: str, context_axis: Any, context_variant: Any, tp_axis: Any
+) -> tuple[str | None, str]:
+    """The constructor checks of ``context_axis`` / ``context_variant`` (shared by the
+    layers that take them); returns them."""
+    context_axis = check_context_axis(context_axis, where)
+    if context_variant not in _CONTEXT_VARIANTS:
+        raise ValueError(
+            f"{where}: context_variant must be 'ring' (K/V blocks passed around the ring, "
+            "memory of one block) or 'allgather' (K/V gathered once), got "
+            f"{context_variant!r}."
+        )
+    if context_axis is not None and context_axis == tp_axis:
+        raise ValueError(
+            f"{where}: context_axis and tp_axis are both {context_axis!r}; the sequence and "
+            "the heads must be split over different mesh axes (e.g. context_axis='context', "
+            "tp_axis='model')."
+        )
+    return context_axis, context_variant
+
+
 class MultiHeadAttention(Module):
     """Multi-head dot-product attention (Vaswani et al., 2017), with grouped-query heads
     (Ainslie et al., 2023), optional rotary positions and an optional KV cache.
@@ -205,6 +229,11 @@ class MultiHeadAttention(Module):
       param_dtype: the dtype parameters are created in (float32).
       tp_axis: the mesh axis of tensor parallelism (Megatron-style), or None
         (default). See below.
+      context_axis: the mesh axis the sequence is sharded over (context parallelism),
+        or None (default). See below.
+      context_variant: ``'ring'`` (default; `blox.parallel.ring_attention`) or
+        ``'allgather'`` (`blox.parallel.allgather_attention`), the attention used under
+        ``context_axis``.
 
     Tensor parallelism (``tp_axis`` set; M the axis size): inside a ``jax.shard_map``
     that binds ``tp_axis``, device m computes query heads ``m*N/M ... (m+1)*N/M - 1``:
@@ -225,6 +254,24 @@ class MultiHeadAttention(Module):
     decoding inside the ``shard_map`` raise, naming the layer and the fix.
     `blox.parallel.ParallelMultiHeadAttention` is this layer with ``tp_axis`` set.
 
+    Context parallelism (``context_axis`` set; C the axis size): inside a
+    ``jax.shard_map`` that binds ``context_axis``, ``x`` is this device's shard of the
+    sequence, ``(B, T, D)`` with T = the global length / C, and `attend` runs
+    `blox.parallel.ring_attention` (or `blox.parallel.allgather_attention`) over the
+    axis: the projections stay local, the keys and values travel. Self-attention
+    only. ``positions`` are the **global** positions of the local tokens: they rotate
+    q and k (RoPE) and decide the causal mask; by default ``index * T + arange(T)``,
+    the contiguous layout (device ``index`` holds tokens ``index*T ... index*T+T-1``);
+    for the head-tail layout of `blox.parallel.balance_sequence` pass the same
+    permutation of ``arange(C T)`` cut to this shard. ``key_mask`` ``(B, T)`` and
+    ``segment_ids`` are this shard's. A general ``mask``, cross-attention (a
+    ``context``), attention dropout in training and KV-cache decoding raise, naming the
+    layer and the fix. Combined with ``tp_axis`` each device attends with its heads over
+    its part of the sequence. A query that sees no key (a padding token with every
+    earlier key masked) gives 0 here and a uniform average of the values outside CP.
+    Outside such a ``shard_map`` the layer computes the unsharded math on the whole
+    sequence (same params).
+
     Parameters: ``<path>/query/kernel`` ``(D, N*H)``, ``<path>/key/kernel``
     ``(D_ctx, K*H)``, ``<path>/value/kernel`` ``(D_ctx, K*H)``, ``<path>/out/kernel``
     ``(N*H, output_size)``, and a ``bias`` for each (if ``use_bias``). The columns of
@@ -233,8 +280,8 @@ class MultiHeadAttention(Module):
     ``<path>/cache_value`` ``(B, L, K, H)`` and ``<path>/cache_index`` (int32 scalar).
 
     Call: ``attn(params, x, context=None, *, mask=None, key_mask=None,
-    is_causal=False, positions=None, is_training=True, decode=False)`` ->
-    ``(y, params)``:
+    segment_ids=None, is_causal=False, positions=None, is_training=True,
+    decode=False)`` -> ``(y, params)``:
 
     - ``x`` ``(B, T, D)``; ``context`` ``(B, S, D_ctx)`` for cross-attention.
     - ``mask``: boolean, True = may attend. Its rank says what it holds: ``(T, S)``
@@ -244,10 +291,13 @@ class MultiHeadAttention(Module):
       ``make_attention_mask`` builds, or ``(1, N, T, S)``). A 3-D mask is never read
       as ``(N, T, S)``, whatever B and N are: give per-head masks as ``mask[None]``.
     - ``key_mask``: boolean ``(B, S)``; False marks padding keys (never attended).
+    - ``segment_ids``: int ``(T,)`` or ``(B, T)``, self-attention only: a token attends
+      only to keys of its own segment (packed sequences).
     - ``is_causal``: query t attends to keys ``s <= t`` (by index in the sequence,
       or by cache slot when decoding).
     - ``positions``: int ``(T,)`` or ``(B, T)``, the RoPE positions of the T tokens
-      of ``x`` (and of the keys, in self-attention); only with ``use_rope=True``.
+      of ``x`` (and of the keys, in self-attention); only with ``use_rope=True`` or
+      ``context_axis`` (there also the causal mask's positions).
       Default ``arange(T)``, or ``cache_index + arange(T)`` when decoding. Per-row
       positions make a left-padded row equal to its prompt run alone (RoPE depends
       only on position differences, so a shared offset changes nothing but
@@ -300,9 +350,14 @@ class MultiHeadAttention(Module):
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
         tp_axis: str | None = None,
+        context_axis: str | None = None,
+        context_variant: str = "ring",
     ):
         super().__init__(graph)
         where = self._where()
+        self.context_axis, self.context_variant = check_context_config(
+            where, context_axis, context_variant, tp_axis
+        )
         if rng is not None and not isinstance(rng, Rng):
             raise TypeError(
                 f"{where}: rng must be a blox Rng or None, got {type(rng).__name__} "
@@ -400,6 +455,7 @@ class MultiHeadAttention(Module):
         *,
         mask: ArrayLike | None = None,
         key_mask: ArrayLike | None = None,
+        segment_ids: ArrayLike | None = None,
         is_causal: bool = False,
         positions: ArrayLike | None = None,
         is_training: bool = True,
@@ -411,9 +467,18 @@ class MultiHeadAttention(Module):
         output projection."""
         x, ctx = self._check_inputs(x, context, decode)
         b, t = x.shape[:2]
+        shard = context_shard(self.context_axis, self._where())
+        if shard is not None:
+            self._check_context_call(context, mask, decode, is_training)
         if positions is not None:
             positions = self._check_positions(positions, b, t)
+        if segment_ids is not None:
+            segment_ids = self._check_segment_ids(segment_ids, b, t, context, decode)
         heads = self.head_layout()
+        if shard is not None:
+            return self._context_call(
+                params, x, heads, shard, key_mask, segment_ids, is_causal, positions
+            )
         if decode and heads.num_heads != self.num_heads:
             raise ValueError(
                 f"{self._where()}: decode=True inside jax.shard_map over tp_axis "
@@ -433,6 +498,10 @@ class MultiHeadAttention(Module):
             q = apply_rotary(q, q_pos, base=self.rope_base)
             kk = apply_rotary(kk, k_pos, base=self.rope_base)
         full = (b, self.num_heads, t, kk.shape[1])
+        if segment_ids is not None:
+            seg = jnp.broadcast_to(segment_ids, (b, t))
+            same = (seg[:, :, None] == seg[:, None, :])[:, None]
+            base_mask = same if base_mask is None else jnp.logical_and(base_mask, same)
         full_mask = self._combine_masks(base_mask, mask, key_mask, full, heads)
         key, params = self._dropout_key(params, is_training)
         a = self.attend(
@@ -442,6 +511,94 @@ class MultiHeadAttention(Module):
         if overflow is not None:
             y = jnp.where(overflow, jnp.asarray(jnp.nan, y.dtype), y)
         return y, params
+
+    def _context_call(
+        self,
+        params: Params,
+        x: jax.Array,
+        heads: HeadLayout,
+        shard: tuple[jax.Array, int],
+        key_mask: ArrayLike | None,
+        segment_ids: jax.Array | None,
+        is_causal: bool,
+        positions: jax.Array | None,
+    ) -> tuple[jax.Array, Params]:
+        """The call on this device's shard of the sequence (a bound ``context_axis``):
+        RoPE at the global positions, then `attend` over the axis."""
+        b, t = x.shape[:2]
+        q, kk, vv, params = self.project(params, x, x, heads)
+        if self.use_rope:
+            rope = global_positions(shard, t) if positions is None else positions
+            q = apply_rotary(q, rope, base=self.rope_base)
+            kk = apply_rotary(kk, rope, base=self.rope_base)
+        if key_mask is not None:
+            key_mask = jnp.asarray(key_mask)
+            if key_mask.shape != (b, t) or key_mask.dtype != jnp.bool_:
+                raise ValueError(
+                    f"{self._where()}: key_mask must be a boolean array of shape (B, T) = "
+                    f"{(b, t)} (this device's shard of the sequence; False = padding), got "
+                    f"{key_mask.dtype} {tuple(key_mask.shape)}."
+                )
+        a = self.attend(
+            q,
+            kk,
+            vv,
+            is_causal=is_causal,
+            first_head=heads.first,
+            positions=positions,
+            key_mask=key_mask,
+            segment_ids=segment_ids,
+        )
+        return self.out(params, a.reshape(b, t, heads.num_heads * self.head_dim))
+
+    def _check_context_call(self, context: Any, mask: Any, decode: bool, is_training: bool) -> None:
+        """Refuses what cannot run on a sequence sharded over ``context_axis``."""
+        where = f"{self._where()} (context_axis={self.context_axis!r})"
+        if decode:
+            raise ValueError(
+                f"{where}: decode=True inside a jax.shard_map over the context axis is not "
+                "supported (the KV cache holds the whole sequence). Decode outside the "
+                "shard_map: the layer then computes the unsharded math with the same params."
+            )
+        if context is not None:
+            raise ValueError(
+                f"{where}: cross-attention (a context of shape {tuple(jnp.shape(context))}) "
+                "is not supported on a sharded sequence; context parallelism is "
+                "self-attention. Use a layer with context_axis=None for cross-attention."
+            )
+        if mask is not None:
+            raise ValueError(
+                f"{where}: a general (T, S) mask (got shape {tuple(jnp.shape(mask))}) cannot "
+                "be applied to a sequence sharded over the context axis (the keys travel "
+                "between devices). Express it with is_causal=True, key_mask (B, T) for "
+                "padding and segment_ids (B, T) for packed sequences, which are sharded "
+                "with the tokens."
+            )
+        if is_training and self.dropout_rate > 0.0:
+            raise ValueError(
+                f"{where}: attention dropout (dropout_rate={self.dropout_rate}) is not "
+                "supported under context parallelism (the attention weights are never "
+                "formed whole). Build the layer with dropout_rate=0.0 (residual dropout in "
+                "TransformerBlock is fine), or call with is_training=False."
+            )
+
+    def _check_segment_ids(
+        self, segment_ids: ArrayLike, b: int, t: int, context: Any, decode: bool
+    ) -> jax.Array:
+        where = self._where()
+        if context is not None or decode:
+            raise ValueError(
+                f"{where}: segment_ids are for self-attention without decode (queries and "
+                "keys are the same tokens); build a mask (B, T, S) for cross-attention or "
+                "decoding."
+            )
+        seg = jnp.asarray(segment_ids)
+        if seg.shape not in ((t,), (b, t)) or not jnp.issubdtype(seg.dtype, jnp.integer):
+            raise ValueError(
+                f"{where}: segment_ids must be integers of shape (T,) = ({t},) or (B, T) = "
+                f"{(b, t)}, got {seg.dtype} {tuple(seg.shape)}."
+            )
+        return seg
 
     # -- the steps ----------------------------------------------------------------
 
@@ -503,9 +660,20 @@ class MultiHeadAttention(Module):
         is_causal: bool = False,
         dropout_key: jax.Array | None = None,
         first_head: Any = 0,
+        positions: jax.Array | None = None,
+        key_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """The attention of projected heads, ``q (B, T, n, H)``, ``k, v (B, S, k, H)``
         -> ``(B, T, n, H)`` (query head ``i`` uses key/value head ``i // (n / k)``).
+
+        Inside a ``jax.shard_map`` binding ``context_axis``, q, k, v are this device's
+        shard of the sequence and the masks come per token, as the context-parallel
+        functions take them: `positions` (global, for the causal mask; default the
+        contiguous layout), `key_mask` ``(B, T)`` and `segment_ids`; this step then
+        returns `blox.parallel.ring_attention` (``context_variant='ring'``) or
+        `blox.parallel.allgather_attention` over the axis. Elsewhere `key_mask` and
+        `segment_ids`, if given, are folded into `mask` (and `positions` ignored).
 
         `mask` is boolean, broadcastable to ``(B, n, T, S)``; `dropout_key` (training
         with ``dropout_rate > 0``) drops weights with the keep-mask of the global query
@@ -514,6 +682,28 @@ class MultiHeadAttention(Module):
         written out with dropout and in float64. A subclass may override this step
         (e.g. attention over a sequence sharded across devices); the projections,
         masks and output stay as they are."""
+        if context_shard(self.context_axis, self._where()) is not None:
+            from blox.parallel import _context  # parallel imports nn
+
+            opts = dict(
+                axis=self.context_axis,
+                causal=is_causal,
+                positions=positions if is_causal else None,
+                segment_ids=segment_ids,
+                key_mask=key_mask,
+            )
+            if self.context_variant == "allgather":
+                return _context.allgather_attention(q, k, v, **opts)
+            nb = 2 if q.shape[1] % 2 == 0 else 1
+            return _context.ring_attention(q, k, v, num_blocks=nb, **opts)
+        b, t, s = q.shape[0], q.shape[1], k.shape[1]
+        if key_mask is not None:
+            km = jnp.asarray(key_mask).reshape(b, 1, 1, s)
+            mask = km if mask is None else jnp.logical_and(mask, km)
+        if segment_ids is not None:
+            seg = jnp.broadcast_to(jnp.asarray(segment_ids), (b, t))
+            same = (seg[:, :, None] == seg[:, None, :])[:, None]
+            mask = same if mask is None else jnp.logical_and(mask, same)
         if dropout_key is None and q.dtype != jnp.float64:
             # jax's own promotion of bf16 logits to f32 is not strict-clean; scope it.
             with jax.numpy_dtype_promotion("standard"):
@@ -630,7 +820,7 @@ class MultiHeadAttention(Module):
 
     def _check_positions(self, positions: ArrayLike, b: int, t: int) -> jax.Array:
         where = f"MultiHeadAttention '{self.path_str}'"
-        if not self.use_rope:
+        if not self.use_rope and self.context_axis is None:
             raise ValueError(
                 f"{where}: positions are used only by rotary embeddings, and this layer has "
                 "use_rope=False. Drop positions=..., or construct it with use_rope=True "

@@ -128,12 +128,57 @@ def apply_rotary(x: ArrayLike, positions: ArrayLike, *, base: float = 10000.0) -
     return out.astype(x.dtype)
 
 
-def _positions_for(where: str, x: jax.Array, positions: ArrayLike | None) -> jax.Array:
+_CONTEXT_AXIS_NOT_IN_MESH = (
+    "{where}: context_axis={axis!r} is not an axis of the enclosing jax.shard_map's mesh "
+    "(axes {names}), so the layer cannot find its shard of the sequence. Build the layer "
+    "with context_axis set to the mesh's sequence axis (one of {names}), or call it inside a "
+    "shard_map whose mesh has an axis {axis!r}; with context_axis=None the sequence is local."
+)
+
+
+def check_context_axis(axis: Any, where: str) -> str | None:
+    """The constructor check of a ``context_axis`` argument: None or one axis name."""
+    if axis is not None and not (isinstance(axis, str) and axis):
+        raise TypeError(
+            f"{where}: context_axis must be one mesh-axis name (a str) or None, got {axis!r}."
+        )
+    return axis
+
+
+def context_shard(axis: str | None, where: str) -> tuple[jax.Array, int] | None:
+    """``(index, size)`` along the context (sequence) axis `axis` where an enclosing
+    ``jax.shard_map`` binds it (this device holds shard ``index`` of ``size``
+    contiguous shards of the sequence), else None (the sequence is whole: the layer
+    computes the unsharded math). Raises, naming `where`, when `axis` is not an axis of
+    the enclosing ``shard_map``'s mesh at all."""
+    if axis is None:
+        return None
+    from blox.parallel._mesh import bound_axes  # parallel imports nn
+
+    if axis not in bound_axes():
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.manual_axes and axis not in mesh.axis_names:
+            names = tuple(mesh.axis_names)
+            raise ValueError(_CONTEXT_AXIS_NOT_IN_MESH.format(where=where, axis=axis, names=names))
+        return None
+    return jax.lax.axis_index(axis).astype(jnp.int32), jax.lax.axis_size(axis)
+
+
+def global_positions(shard: tuple[jax.Array, int] | None, t: int) -> jax.Array:
+    """The positions of this device's `t` tokens: ``index * t + arange(t)`` (the
+    contiguous layout) on a context `shard`, else ``arange(t)``."""
+    local = jnp.arange(t, dtype=jnp.int32)
+    return local if shard is None else shard[0] * jnp.int32(t) + local
+
+
+def _positions_for(
+    where: str, x: jax.Array, positions: ArrayLike | None, context_axis: str | None = None
+) -> jax.Array:
     if x.ndim < 2:
         raise ValueError(f"{where}: input must have shape (..., T, D), got {tuple(x.shape)}.")
     t = x.shape[-2]
     if positions is None:
-        return jnp.arange(t, dtype=jnp.int32)
+        return global_positions(context_shard(context_axis, where), t)
     positions = jnp.asarray(positions)
     if positions.shape[-1:] != (t,) or positions.ndim > x.ndim - 1:
         raise ValueError(
@@ -158,6 +203,12 @@ class SinusoidalPositionalEncoding(Module):
       graph: this module's node.
       max_timescale: see `sinusoidal_encoding` (keyword-only).
 
+      context_axis: the mesh axis the sequence is sharded over (context parallelism),
+        or None (default). Inside a ``jax.shard_map`` binding it, the default positions
+        are the global ones of this device's tokens in the contiguous layout, ``index *
+        T + arange(T)`` (T local); pass ``positions`` for another layout (the head-tail
+        one of `blox.parallel.balance_sequence`).
+
     Call: ``enc(params, x, positions=None)``; ``positions`` ``(T,)`` or ``(B, T)``
     defaults to ``arange(T)``; pass ``(B, T)`` positions when rows are offset
     differently (left-padded prompts, decoding: `TransformerLM` does this).
@@ -172,9 +223,14 @@ class SinusoidalPositionalEncoding(Module):
     [0.0, 1.0, 0.0, 1.0]
     """
 
-    def __init__(self, graph: Graph, *, max_timescale: float = 10000.0):
+    def __init__(
+        self, graph: Graph, *, max_timescale: float = 10000.0, context_axis: str | None = None
+    ):
         super().__init__(graph)
         self.max_timescale = float(max_timescale)
+        self.context_axis = check_context_axis(
+            context_axis, f"SinusoidalPositionalEncoding '{self.path_str}'"
+        )
 
     def __call__(
         self, params: Params, x: jax.Array, positions: ArrayLike | None = None
@@ -182,7 +238,7 @@ class SinusoidalPositionalEncoding(Module):
         """Returns ``(x + pe[positions], params)``."""
         x = jnp.asarray(x)
         where = f"SinusoidalPositionalEncoding '{self.path_str}'"
-        pos = _positions_for(where, x, positions)
+        pos = _positions_for(where, x, positions, self.context_axis)
         if x.shape[-1] % 2:
             raise ValueError(
                 f"{where}: the feature size must be even, got input shape {tuple(x.shape)}."
@@ -208,6 +264,10 @@ class LearnedPositionalEmbedding(Module):
       embedding_init: default normal with standard deviation 0.02 (GPT-2).
       embedding_metadata: stored with the table.
       param_dtype: the dtype of the table (float32).
+      context_axis: the mesh axis the sequence is sharded over (context parallelism),
+        or None (default). Inside a ``jax.shard_map`` binding it, the default positions
+        are the global ones of this device's tokens in the contiguous layout, ``index *
+        T + arange(T)`` (T local, C T <= L); pass ``positions`` for another layout.
 
     Call: ``pos(params, x, positions=None)``; ``positions`` ``(T,)`` or ``(B, T)``
     defaults to ``arange(T)``; pass ``(B, T)`` positions when rows are offset
@@ -235,8 +295,12 @@ class LearnedPositionalEmbedding(Module):
         embedding_init: Callable = _default_position_init,
         embedding_metadata: dict | None = None,
         param_dtype: Any = jnp.float32,
+        context_axis: str | None = None,
     ):
         super().__init__(graph)
+        self.context_axis = check_context_axis(
+            context_axis, f"LearnedPositionalEmbedding '{self.path_str}'"
+        )
         if not isinstance(max_length, int) or max_length <= 0:
             raise ValueError(
                 f"LearnedPositionalEmbedding '{self.path_str}': max_length must be a "
@@ -254,10 +318,14 @@ class LearnedPositionalEmbedding(Module):
         """Returns ``(x + embedding[positions], params)``."""
         x = jnp.asarray(x)
         where = f"LearnedPositionalEmbedding '{self.path_str}'"
-        pos = _positions_for(where, x, positions)
-        if positions is None and x.shape[-2] > self.max_length:
+        shard = context_shard(self.context_axis, where) if positions is None else None
+        pos = _positions_for(where, x, positions, self.context_axis)
+        span = x.shape[-2] * (1 if shard is None else shard[1])
+        if positions is None and span > self.max_length:
+            of = "" if shard is None else f" over {shard[1]} shards of context axis"
+            of = of and f"{of} {self.context_axis!r}"
             raise ValueError(
-                f"{where}: input has T = {x.shape[-2]} positions (shape {tuple(x.shape)}) "
+                f"{where}: input has T = {span} positions (shape {tuple(x.shape)}{of}) "
                 f"but the table holds max_length = {self.max_length}. Use a shorter input or "
                 "a larger max_length."
             )
@@ -296,7 +364,7 @@ class LearnedPositionalEmbedding(Module):
             metadata=self.embedding_metadata,
             rng=self.rng,
         )
-        if positions is None:  # arange(T): a static slice
+        if positions is None and shard is None:  # arange(T): a static slice
             pe = jax.lax.slice_in_dim(table, 0, x.shape[-2], axis=0)
         else:
             pe = table.at[pos].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)

@@ -10,12 +10,17 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from blox.core import Graph, Module, Params, Rng
-from blox.nn._attention import MultiHeadAttention
+from blox.nn._attention import MultiHeadAttention, check_context_config
 from blox.nn._dropout import Dropout
 from blox.nn._embed import Embed
 from blox.nn._linear import MLP, Linear
 from blox.nn._norm import LayerNorm, RMSNorm
-from blox.nn._position import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from blox.nn._position import (
+    LearnedPositionalEmbedding,
+    SinusoidalPositionalEncoding,
+    context_shard,
+    global_positions,
+)
 
 __all__ = ["TransformerBlock", "TransformerLM"]
 
@@ -71,6 +76,13 @@ class TransformerBlock(Module):
         parameters keep their paths and global shapes (shard them with
         `blox.parallel.transformer_tp_rules`); `blox.parallel.ParallelTransformerBlock`
         is this block with ``tp_axis`` set.
+      context_axis: context parallelism over this mesh axis, or None (default): inside
+        a ``jax.shard_map`` binding it, ``x`` is this device's shard of the sequence
+        and the attention runs over the axis (`MultiHeadAttention`'s ``context_axis``:
+        global ``positions``, per-token ``key_mask`` / ``segment_ids``, no general
+        ``mask``, no attention dropout or decoding); the norms, the MLP and the
+        residual dropout are per token and need nothing. Combines with ``tp_axis``.
+      context_variant: ``'ring'`` (default) or ``'allgather'``.
 
     Initializers: LeCun normal kernels and zero biases (`Linear`), ones/zeros for the
     norms.
@@ -82,9 +94,10 @@ class TransformerBlock(Module):
     The constructor takes ``(graph, model_size, num_heads, rng)`` positionally (the
     order of `MultiHeadAttention` and `TransformerLM`); every option is keyword-only.
 
-    Call: ``block(params, x, *, mask=None, key_mask=None, is_causal=False,
-    positions=None, is_training=True, decode=False)``; the keywords go to the
-    attention (``positions``, the RoPE positions, only with ``use_rope=True``).
+    Call: ``block(params, x, *, mask=None, key_mask=None, segment_ids=None,
+    is_causal=False, positions=None, is_training=True, decode=False)``; the keywords
+    go to the attention (``positions``, the RoPE positions, only with ``use_rope=True``
+    or ``context_axis``).
 
     >>> import blox as bx, jax.numpy as jnp
     >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
@@ -113,12 +126,16 @@ class TransformerBlock(Module):
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
         tp_axis: str | None = None,
+        context_axis: str | None = None,
+        context_variant: str = "ring",
     ):
         super().__init__(graph)
         self.model_size = model_size
         self.mlp_size = 4 * model_size if mlp_size is None else mlp_size
         self.activation = activation
         self.tp_axis = tp_axis
+        self.context_axis = context_axis
+        self.context_variant = context_variant
         self.norm1 = make_norm(graph.child("norm1"), norm, epsilon, dtype, param_dtype)
         self.attn = MultiHeadAttention(
             graph.child("attn"),
@@ -132,6 +149,8 @@ class TransformerBlock(Module):
             dtype=dtype,
             param_dtype=param_dtype,
             tp_axis=tp_axis,
+            context_axis=context_axis,
+            context_variant=context_variant,
         )
         self.norm2 = make_norm(graph.child("norm2"), norm, epsilon, dtype, param_dtype)
         self.mlp = MLP(
@@ -153,6 +172,7 @@ class TransformerBlock(Module):
         *,
         mask: ArrayLike | None = None,
         key_mask: ArrayLike | None = None,
+        segment_ids: ArrayLike | None = None,
         is_causal: bool = False,
         positions: ArrayLike | None = None,
         is_training: bool = True,
@@ -165,6 +185,7 @@ class TransformerBlock(Module):
             h,
             mask=mask,
             key_mask=key_mask,
+            segment_ids=segment_ids,
             is_causal=is_causal,
             positions=positions,
             is_training=is_training,
@@ -206,6 +227,13 @@ class TransformerLM(Module):
       tie_embeddings: output logits with the transposed input embedding
         (`Embed.attend`) instead of a separate ``head`` `Linear`.
       embedding_init: for the token `Embed` (default normal, std 0.02 as GPT-2).
+      context_axis, context_variant: context parallelism, as in `TransformerBlock`.
+        Inside a ``jax.shard_map`` binding ``context_axis``, ``tokens`` ``(B, T)`` are
+        this device's shard of each sequence and the default positions (of every
+        ``position`` kind) are the global ones of the contiguous layout, ``index * T +
+        arange(T)``; pass ``positions`` for another layout (and always with a
+        ``key_mask``: the per-row count of earlier tokens spans the devices).
+        Decoding there raises.
 
     Parameters (children): ``embed/embedding (V, D)``, ``pos/embedding (L, D)`` (learned
     positions), ``block_<i>/...`` (see `TransformerBlock`), ``final_norm``, and
@@ -264,9 +292,12 @@ class TransformerLM(Module):
         embedding_init: Callable = _default_embedding_init,
         dtype: Any | None = None,
         param_dtype: Any = jnp.float32,
+        context_axis: str | None = None,
+        context_variant: str = "ring",
     ):
         super().__init__(graph)
         where = f"TransformerLM '{self.path_str}'"
+        self.context_axis, _ = check_context_config(where, context_axis, context_variant, None)
         if position not in ("rope", "learned", "sinusoidal", "none"):
             raise ValueError(
                 f"{where}: position must be 'rope', 'learned', 'sinusoidal' or 'none', got "
@@ -316,6 +347,8 @@ class TransformerLM(Module):
                 use_bias=use_bias,
                 dtype=dtype,
                 param_dtype=param_dtype,
+                context_axis=context_axis,
+                context_variant=context_variant,
             )
             for i in range(num_layers)
         ]
@@ -340,6 +373,22 @@ class TransformerLM(Module):
         for block in self.blocks:
             params = block.attn.init_cache(params, batch_size, max_length, dtype=dtype)
         return params
+
+    def _check_context_call(self, decode: bool, key_mask: Any, positions: Any) -> None:
+        where = f"TransformerLM '{self.path_str}' (context_axis={self.context_axis!r})"
+        if decode:
+            raise ValueError(
+                f"{where}: decode=True inside a jax.shard_map over the context axis is not "
+                "supported (the KV cache holds the whole sequence). Decode outside the "
+                "shard_map: the model then computes the unsharded math with the same params."
+            )
+        if key_mask is not None and positions is None:
+            raise ValueError(
+                f"{where}: with a key_mask on a sharded sequence the default positions (the "
+                "count of earlier unmasked tokens in the row) span the devices; pass "
+                "positions= explicitly, e.g. the shard of lm.row_positions(params, "
+                "global_tokens, global_key_mask) computed before sharding."
+            )
 
     def cache_index(self, params: Params) -> jax.Array:
         """The number of tokens in the KV cache (int32 scalar)."""
@@ -396,13 +445,21 @@ class TransformerLM(Module):
                 f"{tuple(tokens.shape)}. Add a batch axis with tokens[None]."
             )
         b, t = tokens.shape
-        if self.position == "learned" and not decode and t > self.max_length:
+        shard = context_shard(self.context_axis, where)
+        span = t if shard is None else t * shard[1]
+        if self.position == "learned" and not decode and span > self.max_length:
+            on = "" if shard is None else f" over {shard[1]} shards of {self.context_axis!r}"
             raise ValueError(
-                f"{where}: input has T = {t} positions (tokens shape {tuple(tokens.shape)}) "
-                f"but position='learned' holds max_length = {self.max_length}. Use a "
+                f"{where}: input has T = {span} positions (tokens shape {tuple(tokens.shape)}"
+                f"{on}) but position='learned' holds max_length = {self.max_length}. Use a "
                 "shorter input or a larger max_length."
             )
-        if positions is None:
+        given = positions
+        if shard is not None:
+            self._check_context_call(decode, key_mask, positions)
+        if positions is None and shard is not None:
+            positions = global_positions(shard, t)
+        elif positions is None:
             positions = self.row_positions(params, tokens, key_mask, decode=decode)
         else:
             positions = jnp.asarray(positions)
@@ -418,6 +475,8 @@ class TransformerLM(Module):
             h, params = self.pos(params, h, positions)
         h, params = self.dropout(params, h, is_training=is_training)
         rope = positions if self.position == "rope" else None
+        if shard is not None:  # the global positions (None: the blocks' contiguous ones)
+            rope = None if given is None else positions
         for block in self.blocks:
             h, params = block(
                 params,

@@ -16,7 +16,9 @@ behind the user's back.
 * Expert parallelism (inside your ``shard_map``): `ExpertParallelMoE`, `moe_ep_rules`,
   `ep_value_and_grad`, `ragged_dispatch_plan`.
 * Context parallelism (inside your ``shard_map``): `ring_attention`,
-  `allgather_attention`, `balance_sequence`, `unbalance_sequence`.
+  `allgather_attention`, `balance_sequence`, `unbalance_sequence`; the layers take
+  ``context_axis=`` (`blox.nn.MultiHeadAttention`, `blox.nn.TransformerBlock`,
+  `blox.nn.TransformerLM`); `check_context_parallel`, `cp_batch_spec`.
 * Per-device RNG streams: `fold_seeds`, `restore_seeds`.
 * Pipeline parallelism: `pipeline_value_and_grad`, `stack_stages`, `unstack_stages`,
   `Schedule`, `Action`, `Program`, `gpipe_schedule`, `one_f_one_b_schedule`,
@@ -31,6 +33,7 @@ from blox.parallel._collectives import psum as psum
 from blox.parallel._collectives import reduce_scatter as reduce_scatter
 from blox.parallel._context import allgather_attention as allgather_attention
 from blox.parallel._context import balance_sequence as balance_sequence
+from blox.parallel._context import check_context_parallel as check_context_parallel
 from blox.parallel._context import ring_attention as ring_attention
 from blox.parallel._context import unbalance_sequence as unbalance_sequence
 from blox.parallel._dp import dp_value_and_grad as dp_value_and_grad
@@ -54,6 +57,7 @@ from blox.parallel._pipeline import stack_stages as stack_stages
 from blox.parallel._pipeline import unstack_stages as unstack_stages
 from blox.parallel._rng import fold_seeds as fold_seeds
 from blox.parallel._rng import restore_seeds as restore_seeds
+from blox.parallel._rules import cp_batch_spec as cp_batch_spec
 from blox.parallel._rules import opt_state_shardings as opt_state_shardings
 from blox.parallel._rules import opt_state_specs as opt_state_specs
 from blox.parallel._rules import param_shardings as param_shardings

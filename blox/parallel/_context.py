@@ -32,6 +32,7 @@ from blox.parallel._mesh import check_vma_enabled, varying_axes
 __all__ = [
     "allgather_attention",
     "balance_sequence",
+    "check_context_parallel",
     "ring_attention",
     "unbalance_sequence",
 ]
@@ -611,3 +612,83 @@ def allgather_attention(
     acc = jnp.einsum("bkgts,bskh->btkgh", p, kv[1])
     out = jnp.where(lt > 0, acc / jnp.where(lt > 0, lt, jnp.ones((), sd)), 0)
     return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+# -- which layers run on a sharded sequence --------------------------------------------
+
+
+def _sequence_mixing(module: Any, axis: str) -> str | None:
+    """Why `module` cannot run on a sequence sharded over `axis` (None if it can)."""
+    from blox.core import SequenceBase
+    from blox.nn import MultiHeadAttention
+    from blox.nn._conv import _ConvBase
+
+    if isinstance(module, SequenceBase):
+        return (
+            "a recurrence carries its state from step to step along the whole sequence, "
+            "so a shard cannot start without the previous shard's last state; run it on "
+            "the whole sequence (outside the context-parallel shard_map)"
+        )
+    if isinstance(module, _ConvBase) and len(module.kernel_size) == 1:
+        extent = (module.kernel_size[0] - 1) * module.kernel_dilation[0] + 1
+        if extent > 1 or tuple(module.strides) != (1,):
+            return (
+                f"a 1-D convolution of window {extent} reads neighbouring time steps, "
+                "which at the shard edges live on other devices (its padding would "
+                "stand in for them); use kernel_size=1, or run it on the whole sequence"
+            )
+    if isinstance(module, MultiHeadAttention) and module.context_axis != axis:
+        return (
+            f"its context_axis is {module.context_axis!r}, so it would attend only within "
+            f"this device's shard; build it with context_axis={axis!r}"
+        )
+    return None
+
+
+def check_context_parallel(model: Any, context_axis: str) -> None:
+    """Checks that every layer of `model` can run on a sequence sharded over
+    `context_axis` (context parallelism), and raises naming the ones that cannot.
+
+    Call it once, where the model is built. A layer that is per token (`Linear`,
+    `MLP`, the norms, `Embed`, dropout, a 1-D convolution of window 1) needs nothing;
+    attention must be built with ``context_axis`` (`MultiHeadAttention`,
+    `TransformerBlock`, `TransformerLM`). What reads across time steps cannot run on a
+    shard: the recurrences (`LSTM`, `GRU`, every `SequenceBase`, `Bidirectional`), 1-D
+    convolutions wider than one step (causal or not; `blox.ts.TCN` is built of them),
+    and attention without this ``context_axis``.
+
+    Args:
+      model: a blox `Module`; it and every module below its graph node are checked.
+      context_axis: the mesh axis the sequence is sharded over.
+
+    Raises:
+      ValueError: naming every such layer (its path and type) and why.
+
+    >>> import blox as bx
+    >>> from blox import parallel as bp
+    >>> g = bx.Graph('net'); rng = bx.Rng(g / 'rng')
+    >>> lm = bx.TransformerLM(g / 'lm', 11, 8, 1, 2, rng, context_axis='context')
+    >>> bp.check_context_parallel(lm, 'context')   # passes: no error
+    """
+    from blox.core import Module
+
+    if not isinstance(model, Module):
+        raise TypeError(
+            f"check_context_parallel: model must be a blox Module, got {type(model).__name__}."
+        )
+    if not isinstance(context_axis, str) or not context_axis:
+        raise TypeError(
+            f"check_context_parallel: context_axis must be one mesh-axis name, got "
+            f"{context_axis!r}."
+        )
+    found = []
+    for module in [model] + [m for _, m in model.graph.walk()]:
+        why = _sequence_mixing(module, context_axis)
+        if why is not None:
+            found.append(f"  {type(module).__name__} '{module.path_str}': {why}.")
+    if found:
+        raise ValueError(
+            f"check_context_parallel: {len(found)} layer(s) of {type(model).__name__} "
+            f"'{model.path_str}' cannot run on a sequence sharded over {context_axis!r}:\n"
+            + "\n".join(found)
+        )

@@ -20,6 +20,7 @@ from blox.core import Params
 from blox.core._params import format_path
 
 __all__ = [
+    "cp_batch_spec",
     "opt_state_shardings",
     "opt_state_specs",
     "param_shardings",
@@ -569,3 +570,53 @@ def sharding_table(
     axes = " x ".join(f"{n}={s}" for n, s in sizes.items())
     out.append(f"mesh {axes}; {per_device_bytes:,} bytes per device")
     return "\n".join(out)
+
+
+def cp_batch_spec(
+    data_axis: str | tuple[str, ...] | None = "data",
+    context_axis: str = "context",
+    mesh: Mesh | None = None,
+) -> PartitionSpec:
+    """The ``PartitionSpec`` of a ``(B, T, ...)`` batch leaf under context parallelism:
+    the rows over `data_axis` (one axis, several, or None for none), the sequence over
+    `context_axis`: ``P(data_axis, context_axis)``.
+
+    Pass it as ``batch_spec`` to `make_dp_train_step` / `make_fsdp_train_step` with
+    ``axis=(data axes..., context_axis)`` (the loss and the gradients are then reduced
+    over all of them), or as the ``in_specs`` of the batch in your own ``jax.shard_map``.
+
+    Args:
+      data_axis: the axis (or axes) the batch rows are split over, or None.
+      context_axis: the axis the sequence is split over.
+      mesh: if given, every axis must be one of its axes.
+
+    Raises:
+      ValueError: an axis twice, the context axis among the data axes, or an axis the
+        mesh lacks.
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from blox import parallel as bp
+    >>> bp.cp_batch_spec('data', 'context') == P('data', 'context')
+    True
+    """
+    data = () if data_axis is None else (data_axis,) if isinstance(data_axis, str) else data_axis
+    names = (*tuple(data), context_axis)
+    if not all(isinstance(n, str) and n for n in names):
+        raise TypeError(
+            f"cp_batch_spec: axes must be mesh-axis names, got data_axis={data_axis!r}, "
+            f"context_axis={context_axis!r}."
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"cp_batch_spec: data_axis={data_axis!r} and context_axis={context_axis!r} name an "
+            "axis twice; the rows and the sequence must be split over different axes."
+        )
+    if mesh is not None:
+        missing = [n for n in names if n not in mesh.axis_names]
+        if missing:
+            raise ValueError(
+                f"cp_batch_spec: {missing} not axes of the mesh {dict(mesh.shape)}; pass axes "
+                f"among {tuple(mesh.axis_names)}."
+            )
+    first = None if not data else (data[0] if len(data) == 1 else tuple(data))
+    return PartitionSpec(first, context_axis)
