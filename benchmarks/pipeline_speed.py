@@ -40,11 +40,12 @@ m = 4, which the runtime keeps flat), the compiled temp bytes
 compiled program's ``copy`` count, and the idle fraction three ways: (p - 1)/(m + p - 1);
 from the schedule table with a backward of two forwards (``Schedule.idle_fraction(1, 2)``);
 and *busy-time weighted*: the measured time of each cell the runtime runs, on one
-microbatch, one device, alone (a forward; the last stage's forward also differentiates
-``last_fn``; a backward; stage 0's backward also recomputes and differentiates
-``first_fn``; for ZB-H1 the input-gradient B and the weight-gradient W apart; for the
-interleaved schedule the cells of a one-block chunk; all cells timed interleaved, min over
-repeats) placed in the table's cells (``Schedule.idle_fraction(forward=..., backward=...,
+microbatch, one device, alone, jitted from the runtime's own code (`runtime_cells`: a
+forward; the last stage's forward also differentiates ``last_fn``; the whole backward;
+stage 0's backward also recomputes and differentiates ``first_fn``; for ZB-H1 and ZB-V
+the input-gradient B and the weight-gradient W apart; for the interleaved schedule and
+ZB-V the cells of a one-block chunk; all cells timed interleaved, min over repeats)
+placed in the table's cells (``Schedule.idle_fraction(forward=..., backward=...,
 weight=...)``, one cost per virtual stage); the runtime is slot-synchronous
 (a ``ppermute`` closes every slot), so a slot lasts as long as its busiest stage (the sum
 of its cell's actions) and idle = 1 - sum(busy) / (p x sum of the slot lengths). The
@@ -200,156 +201,93 @@ def sequential_step(first_fn, stage_fn, last_fn, v: int = 1):
     return step
 
 
-def slot_busy_times(first_fn, stage_fn, last_fn, shared, stage, rows, number, repeat):
-    """Measured microseconds of the cells the runtime runs on one microbatch, for stage
-    kinds 'first', 'mid', 'last' (one device): ``(F, B, B_in, W)``. A forward is the
-    stage's VJP forward (stage 0: after ``first_fn``; the last stage: plus the value and
-    gradient of ``last_fn``); a backward B pulls a cotangent back through the stage
-    (stage 0: and through a recomputed ``first_fn``); of a split backward, B_in pulls back
-    the input cotangent only (stage 0: and through ``first_fn``, as the runtime's B does)
-    and W the weight gradient only."""
-    r = np.random.default_rng(1)
-    x = jnp.asarray(r.normal(size=(rows, D_IO)), jnp.float32)
-    y = jnp.asarray(r.normal(size=(rows, D_IO)), jnp.float32)
-    width = stage["stage", "block_0", "fc2", "bias"].value.shape[0]
-    h = jnp.asarray(r.normal(size=(rows, width)), jnp.float32)
-    tr, st = stage.split()
-    tr_sh, st_sh = shared.split()
-
-    def stage_out(tr, h):
-        return stage_fn(tr.merge(st), h)[0]
-
-    def forward(kind, tr, tr_sh, h):
-        if kind == "first":
-            h = first_fn(tr_sh.merge(st_sh), x)[0]
-        out, pull = jax.vjp(stage_out, tr, h)
-        if kind == "last":
-            loss, grads = jax.value_and_grad(lambda p, o: last_fn(p.merge(st_sh), o, y)[0], (0, 1))(
-                tr_sh, out
-            )
-            return loss, grads, pull
-        return out, pull
-
-    def backward(kind, tr, tr_sh, h, ct):
-        _, pull = jax.vjp(stage_out, tr, h)  # (its forward is what the stash replaces)
-        d_tr, d_h = pull(ct)
-        if kind == "first":
-            _, pf = jax.vjp(lambda p: first_fn(p.merge(st_sh), x)[0], tr_sh)
-            return d_tr, pf(d_h)
-        return d_tr, d_h
-
-    def backward_input(kind, tr, tr_sh, h, ct):
-        _, pull = jax.vjp(lambda h: stage_out(tr, h), h)
-        (d_h,) = pull(ct)
-        if kind == "first":
-            _, pf = jax.vjp(lambda p: first_fn(p.merge(st_sh), x)[0], tr_sh)
-            return pf(d_h)
-        return d_h
-
-    def backward_weight(tr, h, ct):
-        _, pull = jax.vjp(lambda tr: stage_out(tr, h), tr)
-        return pull(ct)
-
-    fns = {}
-    for kind in ("first", "mid", "last"):
-        fwd = jax.jit(lambda a, b, c, k=kind: jax.tree.leaves(forward(k, a, b, c)[:2]))
-        bwd = jax.jit(lambda a, b, c, d, k=kind: backward(k, a, b, c, d))
-        bin_ = jax.jit(lambda a, b, c, d, k=kind: backward_input(k, a, b, c, d))
-        args = (tr, tr_sh, h)
-        fns[kind, "F"] = lambda f=fwd, a=args: jax.block_until_ready(f(*a))
-        fns[kind, "B"] = lambda f=bwd, a=args: jax.block_until_ready(f(*a, h))
-        fns[kind, "Bin"] = lambda f=bin_, a=args: jax.block_until_ready(f(*a, h))
-    bw = jax.jit(backward_weight)
-    fns["W"] = lambda: jax.block_until_ready(bw(tr, h, h))
-    fwd_only = jax.jit(lambda a, c: stage_out(a, c))
-    fns["only"] = lambda: jax.block_until_ready(fwd_only(tr, h))
-    for f in fns.values():
-        f()
-    # Interleaved (every cell once per repeat), min over repeats: the machine's load
-    # drifts, and a cell timed in a quiet moment would look cheaper than one timed later.
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(repeat):
-        for key, f in fns.items():
-            best[key] = min(best[key], _timing.per_call_us(f, number, 1))
-    # a backward without its forward (the backward jits recompute the forward first)
-    bare = lambda key: max(best[key] - best["only"], 0.0)  # noqa: E731
-    return {
-        k: (best[k, "F"], bare((k, "B")), bare((k, "Bin")), bare("W"))
-        for k in ("first", "mid", "last")
-    }
+POSITIONS = ("first", "mid", "last")  # stage 0 (after first_fn), a middle stage, the last
 
 
-def split_cells(stage_fn, stage, rows, number, repeat):
-    """Seconds of the cells the runtime runs for one stage (no ``first_fn`` /
-    ``last_fn``) on one microbatch, from the stash as the runtime does: the forward (the
-    stage's VJP forward, residuals out), the fused backward (the B of the tables without
-    W: the whole backward, products row-major as on a CPU mesh), and the split
-    backward's B (input cotangent, keeping what W needs) and W (weight gradient from
-    what B kept), the runtime's own `_SplitBackward`. ``{'F', 'backward', 'B', 'W'}``."""
+def runtime_cells(first_fn, stage_fn, last_fn, shared, stage, rows, number, repeat):
+    """Seconds of the cells the runtime runs on one microbatch, per stage position
+    (`POSITIONS`), each jitted alone from the runtime's own code (`blox.parallel._pipeline`,
+    products row-major as on a CPU mesh): ``F`` (the stage's VJP forward, residuals out;
+    stage 0 runs ``first_fn`` first, the last stage then takes the value and gradient of
+    ``last_fn``), ``backward`` (the whole backward from the stash: the B of tables
+    without W), ``B`` and ``W`` (the split backward's input part, returning what the
+    runtime writes, and its weight part; stage 0's backward and B also pull the
+    cotangent back through a recomputed ``first_fn``). Every cell is timed interleaved
+    with the others, min over `repeat` rounds of `number` calls: the machine's load
+    drifts, and a cell timed in a quiet moment would look cheaper than one timed later.
+    ``{position: {'F', 'backward', 'B', 'W'}}``."""
     from blox.parallel import _pipeline as pl
 
-    def call_stage(params, h):
-        return stage_fn(params, h)
-
-    fns = pl._Fns(call_stage, None, None)
+    fns = pl._Fns(lambda params, h: stage_fn(params, h), None, None)
+    r = np.random.default_rng(2)
     width = stage["stage", "block_0", "fc2", "bias"].value.shape[0]
-    h = jnp.asarray(np.random.default_rng(2).normal(size=(rows, width)), jnp.float32)
+    h = jnp.asarray(r.normal(size=(rows, width)), jnp.float32)
+    x, y = (jnp.asarray(r.normal(size=(rows, D_IO)), jnp.float32) for _ in range(2))
     tr, st = stage.split()
+    tr_sh, st_sh = shared.split()
     layout = pl._residual_layout(fns, tr, st, h)
     leaves = jax.jit(lambda tr, h: jax.tree.leaves(pl._stage_vjp(fns, tr, st, h)[1]))(tr, h)
-    res = [x for x, k in zip(leaves, layout.stashed, strict=True) if k]
-    pres = [x for x, k in zip(leaves, layout.stashed, strict=True) if not k]
+    res = [v for v, k in zip(leaves, layout.stashed, strict=True) if k]
+    pres = [v for v, k in zip(leaves, layout.stashed, strict=True) if not k]
     sb = pl._split_backward(layout, res, pres, h, row_major=True)
-
-    def fwd(tr, h):
-        out, vjp_fn, _ = pl._stage_vjp(fns, tr, st, h)
-        return out, [x for x, k in zip(jax.tree.leaves(vjp_fn), layout.stashed, strict=True) if k]
-
-    f = jax.jit(fwd)
-    fused = jax.jit(lambda r, q, ct: pl._backward_whole(sb, r, q, ct))
-    # B's outputs as the runtime writes them: the input cotangent and the values it
-    # computes for W (the stashed values W reads stay in the stash entry, not copied)
-    stashed = set(sb.ins[: sb.n_res])
+    stashed = set(sb.ins[: sb.n_res])  # values B keeps that stay in the stash entry
     computed = [i for i, k in enumerate(sb.keep) if k not in stashed]
-
-    def backward_input(r, q, ct):
-        d_h, values = pl._backward_input(sb, r, q, ct)
-        return d_h, [values[i] for i in computed]
-
-    b_in = jax.jit(backward_input)
-    w = jax.jit(lambda q, kept: pl._backward_weight(sb, q, kept))
     kept = jax.jit(lambda r, q, ct: pl._backward_input(sb, r, q, ct)[1])(res, pres, h)
-    cells = {
-        "F": lambda: jax.block_until_ready(f(tr, h)),
-        "backward": lambda: jax.block_until_ready(fused(res, pres, h)),
-        "B": lambda: jax.block_until_ready(b_in(res, pres, h)),
-        "W": lambda: jax.block_until_ready(w(pres, kept)),
-    }
-    for c in cells.values():
+
+    def forward(pos, tr, tr_sh, h):
+        if pos == "first":
+            h = first_fn(tr_sh.merge(st_sh), x)[0]
+        out, vjp_fn, _ = pl._stage_vjp(fns, tr, st, h)
+        stash = [v for v, k in zip(jax.tree.leaves(vjp_fn), layout.stashed, strict=True) if k]
+        if pos == "last":
+            loss = lambda p, o: last_fn(p.merge(st_sh), o, y)[0]  # noqa: E731
+            return stash, jax.value_and_grad(loss, (0, 1))(tr_sh, out)
+        return stash, out
+
+    def through_first(pos, tr_sh, d_h):
+        if pos != "first":
+            return d_h
+        return jax.vjp(lambda p: first_fn(p.merge(st_sh), x)[0], tr_sh)[1](d_h)
+
+    def whole(pos, r, q, ct, tr_sh):
+        d_tr, d_h = pl._backward_whole(sb, r, q, ct)
+        return d_tr, through_first(pos, tr_sh, d_h)
+
+    def backward_input(pos, r, q, ct, tr_sh):
+        d_h, values = pl._backward_input(sb, r, q, ct)
+        return through_first(pos, tr_sh, d_h), [values[i] for i in computed]
+
+    w = jax.jit(lambda q, kept: pl._backward_weight(sb, q, kept))
+    calls = {}
+    for pos in POSITIONS:
+        f = jax.jit(functools.partial(forward, pos))
+        bw = jax.jit(functools.partial(whole, pos))
+        bi = jax.jit(functools.partial(backward_input, pos))
+        calls[pos, "F"] = lambda f=f: jax.block_until_ready(f(tr, tr_sh, h))
+        calls[pos, "backward"] = lambda f=bw: jax.block_until_ready(f(res, pres, h, tr_sh))
+        calls[pos, "B"] = lambda f=bi: jax.block_until_ready(f(res, pres, h, tr_sh))
+    calls["W"] = lambda: jax.block_until_ready(w(pres, kept))
+    for c in calls.values():
         c()
-    best = dict.fromkeys(cells, float("inf"))
-    for _ in range(repeat):  # interleaved, min over repeats (as `slot_busy_times`)
-        for key, c in cells.items():
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repeat):
+        for key, c in calls.items():
             best[key] = min(best[key], _timing.per_call_us(c, number, 1) * 1e-6)
-    return best
+    return {
+        pos: {**{k: best[pos, k] for k in ("F", "backward", "B")}, "W": best["W"]}
+        for pos in POSITIONS
+    }
 
 
-def weighted_idle(schedule, busy, cells) -> float:
-    """`Schedule.idle_fraction` with the measured cell times, one per virtual stage: the
-    runtime's own cells of one stage of the schedule's size (`cells`: F, the fused
-    backward, or a split backward's B and W) plus what the stage's position adds
-    (`busy`: ``first_fn``'s pullback in stage 0's backward, ``last_fn``'s value and
-    gradient in the last stage's forward)."""
+def weighted_idle(schedule, cells) -> float:
+    """`Schedule.idle_fraction` with the measured cells (`runtime_cells`), one cost per
+    virtual stage: stage 0 ``'first'``, the last ``'last'``, the others ``'mid'``."""
     n = schedule.num_stages * schedule.virtual_stages
     kinds = ["first"] + ["mid"] * (n - 2) + ["last"]
-    extra = {k: [busy[k][j] - busy["mid"][j] for j in range(3)] for k in kinds}
-    f = [1e6 * cells["F"] + extra[k][0] for k in kinds]
+    cost = lambda key: [1e6 * cells[k][key] for k in kinds]  # noqa: E731
     if schedule.split_backward:
-        b = [1e6 * cells["B"] + extra[k][2] for k in kinds]
-        w = 1e6 * cells["W"]
-    else:
-        b, w = [1e6 * cells["backward"] + extra[k][1] for k in kinds], 0.0
-    return schedule.idle_fraction(forward=f, backward=b, weight=w)
+        return schedule.idle_fraction(cost("F"), cost("B"), cost("W"))
+    return schedule.idle_fraction(cost("F"), cost("backward"), 0.0)
 
 
 def save_plot(ms, mem, per_mb, path):
@@ -432,15 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     seq, seq_params = seqs[1], layouts[1][1]
     contenders, mem, checks, idle, copies, slots = [], {}, [], {}, {}, {}
     with jax.default_matmul_precision("highest"):
-        busy = {
-            v: slot_busy_times(first_fn, fn, last_fn, shared, _model_stage(params, 0, v), rows,
-                               number=20 if args.quick else 50, repeat=5)
-            for v, (fn, params) in layouts.items()
-        }  # fmt: skip
-        # the runtime's own cells (F, fused backward, split B and W), per layout
+        # the runtime's own cells (F, fused backward, split B and W), per layout and position
         cells = {
-            v: split_cells(fn, _model_stage(params, 1, v), rows,
-                           number=20 if args.quick else 50, repeat=5)
+            v: runtime_cells(first_fn, fn, last_fn, shared, _model_stage(params, 1, v), rows,
+                             number=20 if args.quick else 50, repeat=7)
             for v, (fn, params) in layouts.items()
         }  # fmt: skip
         for m in ms:
@@ -486,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                     if sched.split_backward
                     else sched.idle_fraction(1.0, 2.0)
                 )
-                idle[name, m] = (table_idle, weighted_idle(sched, busy[v], cells[v]))
+                idle[name, m] = (table_idle, weighted_idle(sched, cells[v]))
                 contenders.append(
                     Contender(
                         f"{name} m={m}", lambda fn=fn, p=params, x=x, y=y: fn(p, shared, x, y)[0]
@@ -546,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
               f"temp / temp(m={ms[0]})", "temp / 1f1b temp", "copy ops", "(p-1)/(m+p-1)",
               "idle, table (B = 2 F)",
               "idle, busy-time weighted", "busy fraction (model)"]  # fmt: skip
-    b = {v: {k: " / ".join(f"{t:.0f}" for t in ts) for k, ts in bv.items()}
-         for v, bv in busy.items()}  # fmt: skip
+    b = {v: {k: " / ".join(f"{1e6 * cv[k][c]:.0f}" for c in ("F", "backward", "B", "W"))
+             for k in POSITIONS} for v, cv in cells.items()}  # fmt: skip
     lines = [
         f"## Pipeline parallelism: GPipe vs 1F1B vs interleaved vs ZB-H1 vs ZB-V vs "
         f"sequential, p = {P_STAGES}",
@@ -576,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
             "interleaved in a random order per cycle",
             "m = 8 and 32 only, fewer rounds and calls" if args.quick else None,
         ),  # fmt: skip
-        "- Measured busy time of the cells on one microbatch, F / B / B (input part) / W "
+        "- Measured busy time of the runtime's cells on one microbatch, each jitted alone "
+        "(one dispatch each, about 25 us here), F / whole backward / B (input part) / W "
         "(weight part), us (stage 0's backward and B recompute and differentiate the "
         "embedding, the last stage's forward differentiates the head and loss): a stage of "
         f"two blocks: first {b[1]['first']}, middle {b[1]['mid']}, last {b[1]['last']}; a "
@@ -641,31 +575,25 @@ def main(argv: list[str] | None = None) -> int:
     ]
     _timing.publish("\n".join(lines), args.out, "pipeline_speed")
     if args.json:
-        write_json(args.json, ms, us, mem, idle, busy, cells)
+        write_json(args.json, ms, us, mem, idle, cells)
     return 0
 
 
-def slowest_cells(name, busy, cells) -> dict:
-    """The cell times of the schedule's slowest stage (the most F + backward): the
-    stage's own cells (`split_cells`) plus what its position adds (``first_fn``'s
-    pullback in stage 0's backward and B, ``last_fn``'s value and gradient in the last
-    stage's forward; `slot_busy_times`), in seconds."""
-    v = _virtual(name)
-    bv, c = busy[v], cells[v]
-    extra = {k: ((bv[k][0] - bv["mid"][0]) * 1e-6, (bv[k][1] - bv["mid"][1]) * 1e-6)
-             for k in ("first", "mid", "last")}  # fmt: skip
-    kind = max(extra, key=lambda k: sum(extra[k]))
-    f, b = extra[kind]
-    split = name in ("zb", "zbv")
+def slowest_cells(name, cells) -> dict:
+    """The cells of the schedule's slowest stage position (the most F + backward;
+    `runtime_cells`), in seconds; B and W only for a split backward."""
+    c = cells[_virtual(name)]
+    pos = max(POSITIONS, key=lambda k: c[k]["F"] + c[k]["backward"])
+    split = table_of(name, 8).split_backward
     return {
-        "cell_f_s": c["F"] + f,
-        "cell_b_s": c["B"] + b if split else None,
-        "cell_w_s": c["W"] if split else None,
-        "cell_backward_s": c["backward"] + b,
+        "cell_f_s": c[pos]["F"],
+        "cell_b_s": c[pos]["B"] if split else None,
+        "cell_w_s": c[pos]["W"] if split else None,
+        "cell_backward_s": c[pos]["backward"],
     }
 
 
-def write_json(path, ms, us, mem, idle, busy, cells) -> None:
+def write_json(path, ms, us, mem, idle, cells) -> None:
     """One record per schedule and m (the keys docs/benchmarks.md's pipeline section
     lists); the busy fraction from the measured cells."""
     import json
@@ -676,7 +604,7 @@ def write_json(path, ms, us, mem, idle, busy, cells) -> None:
             out.append({
                 "schedule": n, "m": m, "step_s_per_microbatch": us[f"{n} m={m}"] * 1e-6 / m,
                 "temp_bytes": mem[n, m], "table_idle": idle[n, m][0],
-                "busy_fraction": 1 - idle[n, m][1], **slowest_cells(n, busy, cells),
+                "busy_fraction": 1 - idle[n, m][1], **slowest_cells(n, cells),
             })  # fmt: skip
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
