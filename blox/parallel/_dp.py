@@ -14,6 +14,7 @@ once (``psum``) and divided by the total weight: the large-batch gradient, exact
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,19 +61,38 @@ _HOST_BATCH = (
 )
 
 
-def _check_data_axis(mesh: Any, axis: str, where: str) -> None:
-    """`mesh` is a ``Mesh`` holding the data axis `axis` (TypeError / ValueError naming
-    `where`); shared by the DP and FSDP entry points."""
+def _check_data_axis(mesh: Any, axis: Any, where: str) -> tuple[str, ...]:
+    """`mesh` is a ``Mesh`` holding the data axis `axis`, one name or a tuple of
+    distinct names (TypeError / ValueError naming `where`); returns the names. Shared
+    by the DP and FSDP entry points."""
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}. Build "
             "one with blox.parallel.make_mesh."
         )
-    if axis not in mesh.axis_names:
+    names = (axis,) if isinstance(axis, str) else axis
+    if (
+        not isinstance(names, tuple)
+        or not names
+        or not all(isinstance(n, str) and n for n in names)
+        or len(set(names)) != len(names)
+    ):
+        raise TypeError(
+            f"{where}: axis must be a mesh-axis name or a tuple of distinct names (e.g. "
+            f"('data', 'context') for data x context parallelism), got {axis!r}."
+        )
+    missing = [n for n in names if n not in mesh.axis_names]
+    if missing and isinstance(axis, str):
         raise ValueError(
             f"{where}: data axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}. "
             f"Pass axis=<one of {tuple(mesh.axis_names)}>."
         )
+    if missing:
+        raise ValueError(
+            f"{where}: data axis {missing[0]!r} of axis={axis!r} is not an axis of the mesh "
+            f"{dict(mesh.shape)}. Pass a tuple of axes among {tuple(mesh.axis_names)}."
+        )
+    return names
 
 
 def _process_local(leaf: Any) -> str | None:
@@ -95,7 +115,7 @@ def _process_local(leaf: Any) -> str | None:
 
 
 def _check_global_batch(
-    batch: Any, mesh: Mesh, axis: str, where: str = "make_dp_train_step"
+    batch: Any, mesh: Mesh, axis: Any, where: str = "make_dp_train_step"
 ) -> None:
     """With a mesh over several processes, refuses batch leaves that hold one process's
     rows (see `_process_local`); the message names `where`, the step's builder."""
@@ -509,7 +529,7 @@ def make_dp_train_step(
     tx: optax.GradientTransformation,
     mesh: Mesh,
     *,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     microbatches: int = 1,
     has_aux: bool = False,
     param_specs: Params | None = None,
@@ -524,13 +544,15 @@ def make_dp_train_step(
 
     What it does, all written out in plain JAX:
 
-    1. Checks, before compiling, that the global batch divides by
-       ``mesh.shape[axis] * microbatches``.
-    2. ``jax.shard_map`` over `mesh` (``check_vma=True``): the batch split over `axis`
-       (``P(axis)`` on its leading dimension, or `batch_spec`), the params with
-       `param_specs` (default: replicated). Inside, `fold_seeds` folds each of `rngs`
-       with the data index (dropout differs per shard), `dp_value_and_grad` computes the
-       global-batch gradients with one all-reduce, `restore_seeds` restores the seeds.
+    1. Checks, before compiling, that the global batch divides by the number of
+       devices its leading dimension is split over (the axes of ``batch_spec[0]``)
+       times ``microbatches``, and any other split dimension by its axes.
+    2. ``jax.shard_map`` over `mesh` (``check_vma=True``): the batch split as
+       `batch_spec` (default ``P(axis)``: the leading dimension over `axis`), the params
+       with `param_specs` (default: replicated). Inside, `fold_seeds` folds each of
+       `rngs` with the index along every axis of `axis` (dropout differs per shard),
+       `dp_value_and_grad` computes the global-batch gradients with one all-reduce over
+       `axis`, `restore_seeds` restores the seeds.
     3. Outside the ``shard_map`` (global view, so ``clip_by_global_norm`` and friends see
        whole arrays): ``tx.update`` and ``optax.apply_updates`` on the trainable params.
 
@@ -538,14 +560,20 @@ def make_dp_train_step(
       loss_fn: ``(params, *batch) -> (loss, params)`` or ``((loss, aux), params)``.
       tx: the Optax transformation (its state from ``tx.init(params.split()[0])``).
       mesh: the device mesh; `axis` must be one of its axes.
-      axis: the data axis.
+      axis: the data axis, or a tuple of axes the loss and the gradients are reduced
+        over: ``('data', 'context')`` with ``batch_spec=P('data', 'context')``
+        (`cp_batch_spec`) for data x context parallelism, the rows split over
+        ``data`` and the sequence over ``context`` (the model's attention built with
+        ``context_axis='context'``). Every shard must hold the same number of tokens
+        (or give ``aux['weight']``): the unweighted loss is the mean of the shards'.
       microbatches: gradient accumulation steps inside each shard.
       has_aux: `loss_fn` returns aux (a dict ``aux['weight']`` weights the mean; see
         `dp_value_and_grad`).
       param_specs: the params' ``PartitionSpec`` tree (`param_specs` with rules), for
         DP x TP; the params passed in must already have these shardings.
-      batch_spec: the spec of every batch leaf (default ``P(axis)``).
-      rngs: the `Rng` modules whose seeds are folded with the data-axis index: every
+      batch_spec: the spec of every batch leaf (default ``P(axis)``; with a tuple
+        `axis` that splits the rows over all of its axes).
+      rngs: the `Rng` modules whose seeds are folded with the index along `axis`: every
         `Rng` that draws keys in `loss_fn` (an unlisted one raises, see
         `dp_value_and_grad`).
       predicate: ``(path, Param) -> bool``: which params are trained.
@@ -564,8 +592,9 @@ def make_dp_train_step(
     replicated value and train on another batch, silently.
 
     Raises:
-      ValueError: `axis` not in the mesh; a batch not divisible by data x microbatches;
-        a batch leaf of one process's rows when the mesh spans several processes.
+      ValueError: `axis` not in the mesh; a batch not divisible by data x microbatches
+        (or a dimension `batch_spec` splits not divisible by its axes); a batch leaf of
+        one process's rows when the mesh spans several processes.
     """
     _check_data_axis(mesh, axis, "make_dp_train_step")
     bspec = PartitionSpec(axis) if batch_spec is None else batch_spec
@@ -622,9 +651,17 @@ _PARTIAL_BATCH = (
 )
 
 
-def _check_batch_rows(batch: tuple, dp: int, k: int, axis: str, where: str) -> None:
-    """Every batch leaf has a first dimension divisible by ``dp * k`` (names the leaf,
-    and for a scalar or a partial batch says what to do)."""
+def _check_batch_rows(
+    batch: tuple, mesh: Mesh, spec: PartitionSpec, k: int, axis: Any, where: str
+) -> None:
+    """Every batch leaf has a first dimension divisible by ``dp * k``, dp the product of
+    the sizes of the axes `spec` splits it over (the data axes; names the leaf, and for
+    a scalar or a partial batch says what to do), and every other dimension `spec`
+    splits (e.g. the sequence over a context axis) divisible by its axes' sizes."""
+    sizes = dict(mesh.shape)
+    entries = [() if e is None else (e if isinstance(e, tuple) else (e,)) for e in spec]
+    parts = [math.prod(sizes.get(n, 1) for n in e) for e in entries]
+    dp = parts[0] if parts else 1
     for kp, leaf in jax.tree_util.tree_leaves_with_path(batch):
         shape = tuple(jnp.shape(leaf))
         name = f"batch{jax.tree_util.keystr(kp)}"
@@ -636,6 +673,15 @@ def _check_batch_rows(batch: tuple, dp: int, k: int, axis: str, where: str) -> N
                     where=where, leaf=name, shape=shape, rows=shape[0], dp=dp, k=k, n=dp * k
                 )
             )
+        for d in range(1, min(len(shape), len(parts))):
+            if shape[d] % parts[d]:
+                raise ValueError(
+                    f"{where}: batch leaf {name} of shape {shape}: dimension {d} (length "
+                    f"{shape[d]}) is split over {entries[d]} by batch_spec {spec}, "
+                    f"{parts[d]} devices, which does not divide it. Pad it (e.g. the "
+                    f"sequence, with key_mask False on the padding) to a multiple of "
+                    f"{parts[d]}."
+                )
 
 
 def _norm_spec(spec: Any, rank: int, keep: set) -> tuple:
@@ -713,7 +759,7 @@ def sharded_train_step(
     opt_state: Any,
     batch: tuple,
     *,
-    axis: str,
+    axis: str | tuple[str, ...],
     batch_spec: PartitionSpec,
     microbatches: int,
     predicate: Callable | None,
@@ -731,7 +777,7 @@ def sharded_train_step(
         raise TypeError(f"{where}: params must be bx.Params, got {type(params).__name__}.")
     check_placement((params, opt_state, batch), where)
     _check_global_batch(batch, mesh, axis, where)
-    _check_batch_rows(batch, mesh.shape[axis], microbatches, axis, where)
+    _check_batch_rows(batch, mesh, batch_spec, microbatches, axis, where)
     _check_param_layout(params, specs, mesh, where)
     trainable, _ = params.split(predicate)
     t_specs, _ = specs.split(lambda p, _: p in trainable)

@@ -90,7 +90,7 @@ def fsdp_specs(
     params: Params,
     mesh: Mesh,
     *,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     base: Params | None = None,
     rules: Sequence[tuple[str, int | None]] = (),
     min_size: int = 1024,
@@ -118,7 +118,10 @@ def fsdp_specs(
     Args:
       params: concrete or abstract params (``jax.eval_shape(init)``).
       mesh: the mesh; `axis` must be one of its axes.
-      axis: the data axis the parameters are sharded over.
+      axis: the data axis the parameters are sharded over, or a tuple of axes (e.g.
+        ``('data', 'context')`` under context parallelism: every device of both
+        holds a different shard, as torchtitan shards over its dp x cp mesh), appended
+        together (``('data', 'context')`` minor to any `base` axes).
       base: specs from `param_specs` (e.g. TP rules) to start from; default replicated.
       rules: ``[(pattern, dim or None)]`` overrides of the default choice.
       min_size: parameters with fewer elements stay replicated over `axis`.
@@ -145,7 +148,7 @@ def fsdp_specs(
     """
     if not isinstance(params, Params):
         raise TypeError(f"fsdp_specs: params must be bx.Params, got {type(params).__name__}.")
-    _check_data_axis(mesh, axis, "fsdp_specs")
+    axes = _check_data_axis(mesh, axis, "fsdp_specs")
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"fsdp_specs: min_size must be an int >= 0, got {min_size!r}.")
     compiled = _compile_fsdp_rules(rules)
@@ -163,7 +166,7 @@ def fsdp_specs(
             tuple(getattr(value, "shape", ())),
             base_table,
             sizes,
-            axis,
+            axes,
             compiled if key in trained else None,
             min_size,
         )
@@ -196,7 +199,7 @@ def _compile_fsdp_rules(rules: Sequence[tuple[str, int | None]]) -> list[_FsdpRu
     return compiled
 
 
-def _base_entries(key: Path, shape: tuple, base_table: dict | None, axis: str) -> list:
+def _base_entries(key: Path, shape: tuple, base_table: dict | None, axes: tuple[str, ...]) -> list:
     """The `base` spec of one leaf as one entry per dimension (replicated without a
     `base`), refused when it lacks the leaf or already uses the data axis."""
     path = format_path(key)
@@ -208,7 +211,9 @@ def _base_entries(key: Path, shape: tuple, base_table: dict | None, axis: str) -
             "(bp.param_specs(params, rules, mesh))."
         )
     entries = _spec_tuple(base_table[key], len(shape), path)
-    if axis in [e for e in entries for e in _entry_names(e)]:
+    used = [n for e in entries for n in _entry_names(e) if n in axes]
+    if used:
+        axis = used[0]
         raise ValueError(
             f"fsdp_specs: base spec {PartitionSpec(*entries)} of '{path}' {shape} already "
             f"uses the data axis {axis!r}; fsdp_specs adds it. Leave {axis!r} out of the "
@@ -222,21 +227,23 @@ def _fsdp_leaf_spec(
     shape: tuple,
     base_table: dict | None,
     sizes: dict[str, int],
-    axis: str,
+    axes: tuple[str, ...],
     compiled: list[_FsdpRule] | None,
     min_size: int,
 ) -> PartitionSpec:
     """One leaf's FSDP spec: its `base` spec with `axis` appended to the chosen dimension
     (`_fsdp_dim`); `compiled` is None for a leaf that is not trained (kept as `base`)."""
-    entries = _base_entries(key, shape, base_table, axis)
+    entries = _base_entries(key, shape, base_table, axes)
+    axis = axes[0] if len(axes) == 1 else axes
+    n = math.prod(sizes[a] for a in axes)
     local = [
         shape[d] // math.prod(sizes[a] for a in _entry_names(entries[d])) for d in range(len(shape))
     ]
     dim = None
     if compiled is not None:
-        dim = _fsdp_dim(format_path(key), shape, local, compiled, min_size, sizes[axis], axis)
+        dim = _fsdp_dim(format_path(key), shape, local, compiled, min_size, n, axis)
     if dim is not None:
-        names = _entry_names(entries[dim]) + (axis,)
+        names = _entry_names(entries[dim]) + axes
         entries[dim] = names[0] if len(names) == 1 else names
     if all(e is None for e in entries) and (base_table is None or dim is None):
         return base_table[key] if base_table is not None else PartitionSpec()
@@ -288,8 +295,10 @@ def _fsdp_dim(
     return dim
 
 
-def _sharded_dims(specs: Params, axis: str, where: str) -> dict[Path, int]:
-    """``{path: dim}`` of the leaves whose spec shards a dimension over `axis`."""
+def _sharded_dims(specs: Params, axis: Any, where: str) -> dict[Path, int]:
+    """``{path: dim}`` of the leaves whose spec shards a dimension over `axis` (one
+    name, or a tuple of names that must end the entry together, in order)."""
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
     out = {}
     for key, spec in specs.arrays().items():
         if not isinstance(spec, PartitionSpec):
@@ -299,15 +308,24 @@ def _sharded_dims(specs: Params, axis: str, where: str) -> dict[Path, int]:
             )
         for d, entry in enumerate(spec):
             names = _entry_names(entry)
-            if axis in names:
-                if names[-1] != axis:
-                    raise ValueError(
-                        f"{where}: the spec {spec} of '{format_path(key)}' puts the data axis "
-                        f"{axis!r} before {names[names.index(axis) + 1 :]} in dimension {d}; it "
-                        f"must be the last name of the entry (e.g. ('model', {axis!r})), so "
-                        "that its all-gather rebuilds the local block. Use fsdp_specs."
-                    )
+            if not any(a in names for a in axes):
+                continue
+            if names[-len(axes) :] == axes:
                 out[key] = d
+                continue
+            if len(axes) == 1:
+                raise ValueError(
+                    f"{where}: the spec {spec} of '{format_path(key)}' puts the data axis "
+                    f"{axis!r} before {names[names.index(axis) + 1 :]} in dimension {d}; it "
+                    f"must be the last name of the entry (e.g. ('model', {axis!r})), so "
+                    "that its all-gather rebuilds the local block. Use fsdp_specs."
+                )
+            raise ValueError(
+                f"{where}: the spec {spec} of '{format_path(key)}' shards dimension {d} "
+                f"over {names}, but the step's data axes are {axes}: the FSDP shards must be "
+                f"split over all of them, last in the entry, in this order. Build the specs "
+                f"with bp.fsdp_specs(params, mesh, axis={axes!r}, base=...)."
+            )
     return out
 
 
@@ -614,7 +632,7 @@ def fsdp_value_and_grad(
     loss_fn: Callable[..., Any],
     specs: Params,
     *,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     microbatches: int = 1,
     gather: str = "per_layer",
     has_aux: bool = False,
@@ -662,7 +680,8 @@ def fsdp_value_and_grad(
       loss_fn: as above.
       specs: the params' ``PartitionSpec`` tree (`fsdp_specs`); leaves sharded over
         `axis` are the FSDP shards.
-      axis: the data axis (bound by the enclosing ``shard_map``).
+      axis: the data axis (bound by the enclosing ``shard_map``), or a tuple of axes
+        (the FSDP shards split over all of them, see `fsdp_specs`).
       microbatches: gradient accumulation steps, run in a ``jax.lax.scan``.
       gather: ``'per_layer'`` or ``'per_step'`` (see above).
       has_aux: `loss_fn` returns aux.
@@ -705,7 +724,7 @@ def _fsdp_value_and_grad(
     loss_fn: Callable[..., Any],
     specs: Params,
     *,
-    axis: str,
+    axis: str | tuple[str, ...],
     microbatches: int,
     gather: str,
     has_aux: bool,
@@ -721,19 +740,20 @@ def _fsdp_value_and_grad(
     reduce_dtype = check_reduce_dtype(reduce_dtype, where)
 
     def f(params: Params, *batch: Any):
-        (name,) = check_axis(axis, where)
+        names = check_axis(axis, where)
+        name = names if len(names) > 1 else names[0]  # the collectives' axis
         _check_step_params(params, specs, where)
-        params, seeds = fold_seeds(params, rngs, (name,))
+        params, seeds = fold_seeds(params, rngs, names)
         trainable, rest = params.split(predicate)
         dims = {key: d for key, d in dims_all.items() if key in trainable}
         sums, rest = accumulate_microbatches(
             loss_fn,
-            _step_trainable(trainable, dims, name, gather, reduce_dtype),
+            _step_trainable(trainable, dims, names, gather, reduce_dtype),
             rest,
             batch,
             k=microbatches,
-            size=jax.lax.axis_size(name),
-            names=(name,),
+            size=math.prod(jax.lax.axis_size(n) for n in names),
+            names=names,
             has_aux=has_aux,
             predicate=predicate,
             where=where,
@@ -746,7 +766,7 @@ def _fsdp_value_and_grad(
         grads, loss, aux = _sum_over_shards(sums, dims, name, gather)
         grads = _like(grads, trainable)
         rest = restore_seeds(rest, seeds)
-        rest = _settle_state(rest, (name,), where)
+        rest = _settle_state(rest, names, where)
         return ((loss, aux) if has_aux else loss), grads, trainable.merge(rest)
 
     return f
@@ -767,8 +787,17 @@ def _check_fsdp_options(microbatches: Any, gather: Any, specs: Any, axis: Any, w
             f"{where}: specs must be the Params of PartitionSpec from fsdp_specs, got "
             f"{type(specs).__name__}."
         )
-    if not isinstance(axis, str):
-        raise TypeError(f"{where}: axis must be one mesh-axis name, got {axis!r}.")
+    names = (axis,) if isinstance(axis, str) else axis
+    if (
+        not isinstance(names, tuple)
+        or not names
+        or not all(isinstance(n, str) and n for n in names)
+        or len(set(names)) != len(names)
+    ):
+        raise TypeError(
+            f"{where}: axis must be one mesh-axis name or a tuple of distinct names (e.g. "
+            f"('data', 'context')), got {axis!r}."
+        )
 
 
 def _check_step_params(params: Any, specs: Params, where: str) -> None:
@@ -786,7 +815,11 @@ def _check_step_params(params: Any, specs: Params, where: str) -> None:
 
 
 def _step_trainable(
-    trainable: Params, dims: dict[Path, int], name: str, gather: str, reduce_dtype: Any
+    trainable: Params,
+    dims: dict[Path, int],
+    names: tuple[str, ...],
+    gather: str,
+    reduce_dtype: Any,
 ) -> Params:
     """The trainable params the loss function receives, varying over the data axis.
 
@@ -796,13 +829,14 @@ def _step_trainable(
     uses it in its stored dtype, and the cotangent of the f32 shard carries the f32
     reduce-scatter without rounding it.
     """
+    name = names if len(names) > 1 else names[0]
     keys, values = trainable.keys(), trainable.leaves()
     if gather == "per_step":
         values = tuple(
             jax.lax.all_gather(v, name, axis=dims[key], tiled=True) if key in dims else v
             for key, v in zip(keys, values, strict=True)
         )
-        return _to_varying(trainable.with_leaves(values), (name,))
+        return _to_varying(trainable.with_leaves(values), names)
     arrays = trainable.arrays()
     stored = {key: arrays[key].dtype for key in dims}
     held = {key: reduce_dtype_of(dt, reduce_dtype) for key, dt in stored.items()}
@@ -812,7 +846,7 @@ def _step_trainable(
     )
     rd_name = None if reduce_dtype is None else str(reduce_dtype)
     return _with_marks(
-        _to_varying(trainable.with_leaves(values), (name,)),
+        _to_varying(trainable.with_leaves(values), names),
         {
             key: (name, d, rd_name, None if held[key] == stored[key] else str(stored[key]))
             for key, d in dims.items()
@@ -821,7 +855,7 @@ def _step_trainable(
 
 
 def _sum_over_shards(
-    sums: tuple, dims: dict[Path, int], name: str, gather: str
+    sums: tuple, dims: dict[Path, int], name: str | tuple[str, ...], gather: str
 ) -> tuple[Params, Any, Any]:
     """``(grads, loss, aux)`` summed over the data axis `name` from this device's
     microbatch sums ``(grads, (loss, aux), weight)``, divided by the total weight when
@@ -865,7 +899,7 @@ def make_fsdp_train_step(
     mesh: Mesh,
     specs: Params,
     *,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     microbatches: int = 1,
     gather: str = "per_layer",
     has_aux: bool = False,
@@ -896,7 +930,10 @@ def make_fsdp_train_step(
         specs, mesh)`.
       mesh: the device mesh; `axis` must be one of its axes.
       specs: from `fsdp_specs`; the params passed in must have these shardings.
-      axis: the data axis.
+      axis: the data axis, or a tuple: ``('data', 'context')`` with
+        ``batch_spec=P('data', 'context')`` (`cp_batch_spec`) for data x context
+        parallelism, the loss and gradients reduced over both and the parameters
+        sharded over both (`specs` from ``fsdp_specs(..., axis=('data', 'context'))``).
       microbatches: gradient accumulation steps inside each shard.
       gather: ``'per_layer'`` or ``'per_step'`` (see `fsdp_value_and_grad`).
       has_aux: `loss_fn` returns aux (``aux['weight']`` weights the mean).
