@@ -10,6 +10,8 @@
     python examples/gpt_tp.py --mesh 2x4 --ckpt-dir /tmp/gpt --steps 200   # ... resume at TP=4
     python examples/gpt_tp.py --mesh 1x1 --experts 4 --top-k 2   # MoE MLPs, one device
     python examples/gpt_tp.py --mesh 2x1 --experts 4 --top-k 2 --expert-parallel 4  # EP
+    python examples/gpt_tp.py --mesh 2x1 --context-parallel 4    # sequence over 4 devices
+    python examples/gpt_tp.py --mesh 1x2 --context-parallel 4 --cp-variant allgather
 
 On CPU the script simulates 8 devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``,
 set before JAX starts unless XLA_FLAGS already sets a count). ``--mesh DxM`` builds a
@@ -59,6 +61,19 @@ back with all-to-alls; with M > 1 each expert's hidden features are also split o
 the same MoE on ``--mesh 1x1`` (to about 1e-6). With experts the script prints
 ``expert_bytes_per_device=<int>`` once, and after each step line a line ``moe step=<n>
 dropped=<fraction of the routed choices dropped> load=<each expert's share of them>``.
+
+``--context-parallel C`` adds a ``context`` mesh axis of C devices (the mesh is D x M x
+C: data x model x context) and splits every sequence over it: the batch is laid out by
+`blox.parallel.cp_batch_spec` (rows over ``data``, the sequence over ``context``), the
+blocks are built with ``context_axis='context'`` (their attention runs
+`blox.parallel.ring_attention`, or `blox.parallel.allgather_attention` with
+``--cp-variant allgather``; RoPE at the global positions of each device's tokens), and
+the step reduces the loss and the gradients over ``('data', 'context')``; with
+``--fsdp`` the parameters are sharded over both. The losses equal those of ``--mesh
+1x1``. With ``--experts`` (dense MoE, no ``--expert-parallel``) the routing loads are
+global over data x context. The script prints ``attn_temp_bytes=<int>`` once: the
+compiled temporary bytes, per device, of one attention forward and backward (the
+gradient with respect to its input) of the first block on this run's shard of the batch.
 
 Text: the source of a few standard-library modules (as ``examples/char_lm.py``).
 """
@@ -110,10 +125,12 @@ class MoEBlock(bx.Module):
     y = h + moe(norm2(h))           # returns (y, moe's aux)
     """
 
-    def __init__(self, graph, width, heads, rng, make_moe):
+    def __init__(self, graph, width, heads, rng, make_moe, **cp):
         super().__init__(graph)
         self.norm1 = bx.LayerNorm(graph / "norm1")
-        self.attn = bp.ParallelMultiHeadAttention(graph / "attn", width, heads, rng, use_rope=True)
+        self.attn = bp.ParallelMultiHeadAttention(
+            graph / "attn", width, heads, rng, use_rope=True, **cp
+        )
         self.norm2 = bx.LayerNorm(graph / "norm2")
         self.moe = make_moe(graph / "moe")
 
@@ -131,19 +148,25 @@ class GPT(bx.Module):
     `make_moe`) -> LayerNorm -> logits with the tied embedding. Returns ``((logits, [the
     MoE aux of each block]), params)``."""
 
-    def __init__(self, graph, vocab, width, layers, heads, rng, make_moe=None):
+    def __init__(self, graph, vocab, width, layers, heads, rng, make_moe=None, **cp):
         super().__init__(graph)
         self.embed = bx.Embed(graph / "embed", vocab, width, rng)
         if make_moe is None:
             self.blocks = [
                 bp.ParallelTransformerBlock(
-                    graph / f"block_{i}", model_size=width, num_heads=heads, rng=rng, use_rope=True
+                    graph / f"block_{i}",
+                    model_size=width,
+                    num_heads=heads,
+                    rng=rng,
+                    use_rope=True,
+                    **cp,
                 )
                 for i in range(layers)
             ]
         else:
             self.blocks = [
-                MoEBlock(graph / f"block_{i}", width, heads, rng, make_moe) for i in range(layers)
+                MoEBlock(graph / f"block_{i}", width, heads, rng, make_moe, **cp)
+                for i in range(layers)
             ]
         self.final_norm = bx.LayerNorm(graph / "final_norm")
 
@@ -190,6 +213,24 @@ def window_starts(seed: int, step: int, batch: int, n_tokens: int, context: int)
     return np.random.default_rng((seed, step)).integers(0, n_tokens - context - 1, size=batch)
 
 
+def attention_temp_bytes(attn, abstract, specs, mesh, x_shape, x_spec) -> int:
+    """The compiled temporary bytes per device of one forward and backward (the
+    gradient with respect to its input) of `attn` on this run's shard of the batch,
+    inside a ``jax.shard_map`` over `mesh` (the context-parallel attention where the
+    mesh has a ``context`` axis)."""
+
+    def one(params, x):
+        return jax.grad(lambda x: jnp.sum(attn(params, x, is_causal=True)[0]))(x)
+
+    run = jax.shard_map(one, mesh=mesh, in_specs=(specs, x_spec), out_specs=x_spec)
+    sds = lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec))  # noqa: E731
+    params = jax.tree.map(sds, abstract, specs)
+    x = sds(jax.ShapeDtypeStruct(x_shape, jnp.float32), x_spec)
+    with jax.default_matmul_precision("highest"):
+        compiled = jax.jit(run).lower(params, x).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
 def main(argv: list[str] | None = None) -> list[float]:
     info = bd.initialize()  # first: joins the group under blox.launch, a no-op alone
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -209,6 +250,15 @@ def main(argv: list[str] | None = None) -> list[float]:
     )
     parser.add_argument(
         "--expert-parallel", type=int, default=None, help="N: experts split over N devices"
+    )
+    parser.add_argument(
+        "--context-parallel", type=int, default=None, help="C: sequences split over C devices"
+    )
+    parser.add_argument(
+        "--cp-variant",
+        choices=("ring", "allgather"),
+        default=None,
+        help="the context-parallel attention (default ring)",
     )
     args = parser.parse_args(argv)
     width, layers, heads, context, batch, steps, lr = SIZES[args.size]
@@ -233,11 +283,31 @@ def main(argv: list[str] | None = None) -> list[float]:
         parser.error("--experts does not combine with --fsdp in this example")
     if ep is not None and not (ep >= 1 and args.experts % ep == 0):
         parser.error(f"--expert-parallel {ep} must divide --experts {args.experts}")
-    n = ep or 1
+    cp = args.context_parallel
+    if args.cp_variant is not None and cp is None:
+        parser.error("--cp-variant needs --context-parallel C")
+    if cp is not None and not (cp >= 1 and context % cp == 0):
+        parser.error(f"--context-parallel {cp} must divide the context length {context}")
+    if cp is not None and ep is not None:
+        parser.error(
+            "--context-parallel does not combine with --expert-parallel in this example (the "
+            "expert-parallel step, ep_value_and_grad, splits the batch over data x expert "
+            "only); use --experts without --expert-parallel, or drop --context-parallel"
+        )
+    if cp is not None and info.is_multiprocess:
+        parser.error("--context-parallel runs in one process in this example")
+    n = (ep or 1) * (cp or 1)
     if d * n * m > jax.device_count() or (info.is_multiprocess and d * n * m != jax.device_count()):
-        parser.error(f"--mesh {args.mesh} x --expert-parallel {n} needs {d * n * m} devices")
+        extra = "--expert-parallel" if cp is None else "--context-parallel"
+        parser.error(f"--mesh {args.mesh} x {extra} {ep or cp or 1} needs {d * n * m} devices")
 
-    if ep is None:
+    cp_kw = {}
+    if cp is not None:  # data x model x context; the rows over data, the sequence over context
+        names = ("data", "model", "context")
+        mesh = bp.make_mesh((d, m, cp), names, devices=jax.devices()[: d * m * cp])
+        batch_axes = ("data", "context")
+        cp_kw = dict(context_axis="context", context_variant=args.cp_variant or "ring")
+    elif ep is None:
         mesh = bp.make_mesh((d, m), ("data", "model"), devices=jax.devices()[: d * m])
         batch_axes = "data"
     else:
@@ -258,8 +328,10 @@ def main(argv: list[str] | None = None) -> list[float]:
             z_weight=1e-3,
             routing_bias=True,
         )
-        if ep is None:  # every device holds every expert; the loads are global over data
-            make_moe = lambda g: bx.MoE(g, args.experts, 2 * width, rng, token_axes="data", **cfg)  # noqa: E731
+        if ep is None:  # every device holds every expert; the loads are global over the batch
+            make_moe = lambda g: bx.MoE(
+                g, args.experts, 2 * width, rng, token_axes=batch_axes, **cfg
+            )  # noqa: E731
             moe_rules = [("moe/.*", None)]
         else:
             tp = "model" if m > 1 else None
@@ -267,7 +339,7 @@ def main(argv: list[str] | None = None) -> list[float]:
                 g, args.experts, 2 * width, rng, token_axes=batch_axes, model_axis=tp, **cfg
             )
             moe_rules = bp.moe_ep_rules("expert", model_axis=tp) + [("moe/router/.*", None)]
-    model = GPT(graph / "lm", len(CHARS), width, layers, heads, rng, make_moe)
+    model = GPT(graph / "lm", len(CHARS), width, layers, heads, rng, make_moe, **cp_kw)
     rules = (
         moe_rules
         # the dense MLP's rules only where the blocks have one
@@ -286,8 +358,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     abstract = jax.eval_shape(init)
     print(bp.sharding_table(abstract, rules, mesh), flush=True)
     specs = bp.param_specs(abstract, rules, mesh)
-    if args.fsdp:  # ZeRO-3: every large trainable leaf also sharded over `data`
-        specs = bp.fsdp_specs(abstract, mesh, base=specs)
+    tp_specs = specs  # the attention measured below takes its whole (TP-split) weights
+    if args.fsdp:  # ZeRO-3: every large trainable leaf also sharded over the batch axes
+        specs = bp.fsdp_specs(abstract, mesh, axis=batch_axes, base=specs)
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
     )
@@ -316,14 +389,24 @@ def main(argv: list[str] | None = None) -> list[float]:
         return (loss, moe), params
 
     has_aux = make_moe is not None
+    batch_spec = bp.cp_batch_spec("data", "context") if cp is not None else P(batch_axes)
+    bspec = dict(axis=batch_axes, batch_spec=batch_spec)
     if args.fsdp:
-        step_fn = bp.make_fsdp_train_step(loss_fn, tx, mesh, specs)
+        step_fn = bp.make_fsdp_train_step(loss_fn, tx, mesh, specs, **bspec)
     elif ep is None:
-        step_fn = bp.make_dp_train_step(loss_fn, tx, mesh, param_specs=specs, has_aux=has_aux)
+        step_fn = bp.make_dp_train_step(
+            loss_fn, tx, mesh, param_specs=specs, has_aux=has_aux, **bspec
+        )
     else:
-        step_fn = ep_train_step(loss_fn, tx, mesh, specs, P(batch_axes))
+        step_fn = ep_train_step(loss_fn, tx, mesh, specs, batch_spec)
     step = jax.jit(step_fn, donate_argnums=(0, 1))
-    batch_sharding = NamedSharding(mesh, P(batch_axes))
+    x_shape = (batch, context, width)
+    attn = model.blocks[0].attn
+    attn_bytes = attention_temp_bytes(attn, abstract, tp_specs, mesh, x_shape, batch_spec)
+    print(f"attn_temp_bytes={attn_bytes}", flush=True)
+    # The rows as global_batch lays them out (over the data axes); under context
+    # parallelism the step then splits each row's sequence over `context` itself.
+    batch_sharding = NamedSharding(mesh, P(batch_spec[0]))
     shard = bd.process_shard(batch, batch_sharding)  # the rows this process builds
     state = {"params": params, "opt_state": opt_state, "step": 0}
     losses = []

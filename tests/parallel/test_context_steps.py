@@ -7,6 +7,8 @@ does on the whole batch, over 3 Adam steps (losses and final params, float32): C
 context), CP x DP x TP; the rows are checked against the data axes only; the
 errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,7 +63,17 @@ def _setup(**kw):
     return model, loss_fn, jax.tree.map(np.asarray, params.locked()), toks
 
 
-def _reference(loss_fn, params, toks, tx):
+@functools.cache
+def _reference():
+    """One device, the whole batch: the plain model (no context or model axis; the same
+    paths and initial values as every model of these tests), jax.value_and_grad and
+    Adam, computed once."""
+    _, loss_fn, params, toks = _setup()
+    with jax.default_matmul_precision("highest"):
+        return _reference_run(loss_fn, params, toks, optax.adam(1e-2))
+
+
+def _reference_run(loss_fn, params, toks, tx):
     params = jax.device_put(params)
     opt = tx.init(params.split()[0])
 
@@ -129,7 +141,7 @@ def test_dp_step_over_data_and_context_equals_one_device(name, shape, names, typ
     model, loss_fn, params, toks = _setup(**kw)
     tx = optax.adam(1e-2)
     with jax.default_matmul_precision("highest"):
-        ref = _reference(loss_fn, params, toks, tx)
+        ref = _reference()
         mesh = bp.make_mesh(shape, names, axis_types=types)
         rules = [("rng/.*", None), ("embed/embedding", None)]
         if "model" in names:
@@ -151,7 +163,7 @@ def test_fsdp_step_sharded_over_data_and_context_equals_one_device():
     model, loss_fn, params, toks = _setup(context_axis="context")
     tx = optax.adam(1e-2)
     with jax.default_matmul_precision("highest"):
-        ref = _reference(loss_fn, params, toks, tx)
+        ref = _reference()
         mesh = bp.make_mesh((2, 4), ("data", "context"))
         axes = ("data", "context")
         specs = bp.fsdp_specs(params, mesh, axis=axes, min_size=256)
