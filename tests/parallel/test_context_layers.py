@@ -252,6 +252,24 @@ def test_check_context_parallel_names_the_layers_that_read_across_time():
         bp.check_context_parallel(ok, "seq")
 
 
+def test_segment_ids_off_cp_equal_the_written_out_mask():
+    """The new ``segment_ids`` keyword of the plain layer: the same as the (B, T, S)
+    mask ``seg[:, :, None] == seg[:, None, :]`` written by hand."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    attn = bx.MultiHeadAttention(g / "attn", D, N, rng, num_kv_heads=K)
+    x = _x(3)
+    seg, valid = _masks()
+    params = rng.seed(bx.Params(), seed=0)
+    y, params = attn(params, x, segment_ids=seg, key_mask=valid, is_causal=True)
+    s = np.asarray(seg)
+    mask = jnp.asarray(s[:, :, None] == s[:, None, :])
+    y0, _ = attn(params, x, mask=mask, key_mask=valid, is_causal=True)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y0), **F32)
+    with pytest.raises(ValueError, match="segment_ids must be integers of shape"):
+        attn(params, x, segment_ids=seg[:, :5])
+
+
 def test_cp_batch_spec():
     assert bp.cp_batch_spec() == P("data", AX)
     assert bp.cp_batch_spec(("replica", "data"), "seq") == P(("replica", "data"), "seq")
