@@ -204,3 +204,30 @@ def test_batch_checks_count_the_data_axes_only_and_errors_name_the_axes():
         bp.make_dp_train_step(loss_fn, tx, mesh, axis=("data", "seq"))
     with pytest.raises(TypeError, match="tuple of distinct names"):
         bp.make_dp_train_step(loss_fn, tx, mesh, axis=("data", "data"))
+
+
+def test_dropout_differs_on_every_data_and_context_shard():
+    """The seeds are folded with both indices: with ``loss = sum(w * dropout(1))`` the
+    gradient of ``w`` is the mean of the 8 shards' masks scaled by 1 / (1 - 0.5), so
+    its entries are multiples of 2 / 8; masks shared along ``context`` would give
+    multiples of 2 / 2 only."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    drop = bx.Dropout(g / "drop", 0.5, rng)
+    params = rng.seed(bx.Params(), seed=0)
+    params[("net", "w")] = bx.Param(jnp.zeros((64,)))
+
+    def loss_fn(params, x):
+        m, params = drop(params, jnp.ones((64,)), is_training=True)
+        return jnp.sum(params[("net", "w")].value * m) + 0.0 * jnp.sum(x), params
+
+    mesh = bp.make_mesh((2, 4), ("data", "context"))
+    tx = optax.sgd(1.0)
+    step = bp.make_dp_train_step(
+        loss_fn, tx, mesh, axis=("data", "context"), batch_spec=bp.cp_batch_spec(), rngs=[rng]
+    )
+    p = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), params)
+    new, _, _ = jax.jit(step)(p, tx.init(p.split()[0]), jnp.zeros((2, 4)))
+    grad = -np.asarray(new[("net", "w")].value)  # one SGD step of size 1 from 0
+    np.testing.assert_allclose(grad * 4, np.round(grad * 4), atol=1e-6)  # k / 4
+    assert np.any(np.abs(grad - np.round(grad)) > 0.1)  # not all multiples of 1
