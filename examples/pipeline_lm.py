@@ -4,6 +4,7 @@ or zero-bubble ZB-H1) over P stages.
     python examples/pipeline_lm.py                              # 1F1B, 4 stages, 200 steps
     python examples/pipeline_lm.py --schedule gpipe             # GPipe: the same losses
     python examples/pipeline_lm.py --schedule zb                # ZB-H1 (B and W split)
+    python examples/pipeline_lm.py --schedule zbv --stages 2    # ZB-V (2 chunks in a V)
     python examples/pipeline_lm.py --schedule interleaved --stages 2 --virtual-stages 2
     python examples/pipeline_lm.py --schedule none              # one device, no pipeline
     python examples/pipeline_lm.py --data-parallel 2            # data 2 x stage 4 mesh
@@ -23,7 +24,9 @@ every mesh; the P stages' params are stacked along a leading stage dimension
 final norm (``shared``) are replicated. With ``--schedule interleaved`` each device holds
 ``--virtual-stages V`` chunks instead (V P chunks of ``4 / (V P)`` blocks; chunk ``c`` of
 device ``s`` runs the model's chunk ``c P + s``; params stacked ``(V, P, ...)``), the same
-blocks in the same order. ``--schedule gpipe|1f1b|1f1b-2f|interleaved|zb``
+blocks in the same order; ``--schedule zbv`` (ZB-V) holds 2 chunks per device in a V
+(device ``s`` runs chunks ``s`` and ``2 P - 1 - s``: the params are stacked in the
+schedule's ``stacking_order``). ``--schedule gpipe|1f1b|1f1b-2f|interleaved|zb|zbv``
 builds the step with `blox.parallel.pipeline_value_and_grad` on a ``data`` x ``stage``
 x ``model`` mesh of D x P x T devices (the global batch split over ``data``, each data
 row split into ``--microbatches M`` microbatches; with ``--tensor-parallel T`` > 1 each
@@ -115,6 +118,7 @@ def build(
     seed: int,
     parallel=False,
     virtual_stages: int = 1,
+    order: tuple[int, ...] | None = None,
 ):
     """The model's three functions and its initial ``(stage_params, shared_params)``:
     stage params stacked ``(P, ...)`` (``(V, P, ...)`` with `virtual_stages` V > 1), shared
@@ -124,7 +128,9 @@ def build(
     initialized alone with seed ``seed * 1000 + b``; (virtual) stage ``s`` of the
     ``V P`` runs blocks ``s k`` to ``s k + k - 1`` (``k = blocks / (V P)``, as its
     ``block_0 .. block_{k-1}``). `parallel`: the stage's blocks are tensor-parallel (the
-    same params, run inside the pipeline's ``shard_map`` with the ``model`` axis bound)."""
+    same params, run inside the pipeline's ``shard_map`` with the ``model`` axis bound).
+    `order`: the chunks in the order they are stacked (ZB-V's ``Schedule.stacking_order``;
+    default ``0 .. V P - 1``)."""
     chunks = stages * virtual_stages
     k = blocks // chunks
     g = bx.Graph("lm")
@@ -175,6 +181,8 @@ def build(
             )
             for s in range(chunks)
         ]
+        if order is not None:
+            per_stage = [per_stage[c] for c in order]
         return bp.stack_stages(per_stage, virtual_stages=virtual_stages), init_shared()
 
     return first_fn, stage_fn, last_fn, init
@@ -213,7 +221,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--schedule",
-        choices=["gpipe", "1f1b", "1f1b-2f", "interleaved", "zb", "none"],
+        choices=["gpipe", "1f1b", "1f1b-2f", "interleaved", "zb", "zbv", "none"],
         default="1f1b",
     )
     parser.add_argument("--stages", type=int, default=4, help="P, pipeline stages (devices)")
@@ -233,7 +241,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     steps = args.steps if args.steps is not None else steps
     p, d, tp = args.stages, args.data_parallel, args.tensor_parallel
     m = args.microbatches if args.microbatches is not None else 2 * p
-    v = args.virtual_stages if args.schedule == "interleaved" else 1
+    v = {"interleaved": args.virtual_stages, "zbv": 2}.get(args.schedule, 1)
     if p < 1 or d < 1 or tp < 1 or m < 1 or steps < 0:
         parser.error(
             "--stages, --data-parallel, --tensor-parallel and --microbatches must be >= 1, "
@@ -253,7 +261,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         )
     if heads % tp:
         parser.error(f"--tensor-parallel {tp} must divide the {heads} heads of --size {args.size}")
-    if args.schedule in ("1f1b", "1f1b-2f", "zb") and m < p:
+    if args.schedule in ("1f1b", "1f1b-2f", "zb", "zbv") and m < p:
         parser.error(
             f"{args.schedule} needs --microbatches >= --stages ({p}); got {m} (or use gpipe)"
         )
@@ -267,9 +275,12 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     data = load_tokens()
     parallel = args.schedule != "none" and tp > 1
+    # ZB-V places chunks c and 2P - 1 - c on device c: the params stack in its order
+    order = bp.zero_bubble_v_schedule(p, m).stacking_order if args.schedule == "zbv" else None
     first_fn, stage_fn, last_fn, init = build(
-        width, layers, heads, context, p, args.seed, parallel=parallel, virtual_stages=v
-    )
+        width, layers, heads, context, p, args.seed, parallel=parallel, virtual_stages=v,
+        order=order,
+    )  # fmt: skip
     tx = optax.adamw(lr, weight_decay=0.01)
 
     if args.schedule == "none":
@@ -306,6 +317,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             "1f1b-2f": lambda: bp.one_f_one_b_schedule(p, m, forwards_per_slot=2),
             "interleaved": lambda: bp.interleaved_schedule(p, m, v),
             "zb": lambda: bp.zero_bubble_schedule(p, m),
+            "zbv": lambda: bp.zero_bubble_v_schedule(p, m),
         }[args.schedule]()
         print(table, flush=True)
         stage_dims = ("stage",) if v == 1 else (None, "stage")

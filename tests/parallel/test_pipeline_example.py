@@ -1,5 +1,6 @@
-"""Smoke test of ``examples/pipeline_lm.py`` at tiny size: GPipe, interleaved 1F1B and
-ZB-H1, on data x stage x model meshes 1x4x1 and (interleaved) 2x2x2 (DP x PP x TP), and the
+"""Smoke test of ``examples/pipeline_lm.py`` at tiny size: GPipe, interleaved 1F1B, ZB-H1
+and ZB-V, on data x stage x model meshes 1x4x1, 1x2x1 (ZB-V) and (interleaved) 2x2x2 (DP x
+PP x TP), and the
 unpipelined one-device run print the same per-step losses (the example's contract, 1e-5),
 and each prints its schedule table and the compiled step's temp bytes once. All runs share
 one process (one JAX start-up), each through the script's own ``main(argv)``."""
@@ -58,6 +59,7 @@ def test_pipeline_lm_schedules_agree_with_the_unpipelined_model():
                                  "--microbatches", "4", "--data-parallel", "2", "--stages", "2",
                                  "--tensor-parallel", "2"],
         "zb 1x4x1": ["--schedule", "zb", "--microbatches", "4"],
+        "zbv 1x2x1": ["--schedule", "zbv", "--stages", "2", "--microbatches", "4"],
         # 4 tiny blocks cannot be cut into 4 stages x 2 chunks: a flag error says so
         "interleaved 1x4x1": ["--schedule", "interleaved"],
     }  # fmt: skip
@@ -75,6 +77,7 @@ def test_pipeline_lm_schedules_agree_with_the_unpipelined_model():
     assert "interleaved: 2 stages x 2 chunks x 4 microbatches" in outs["interleaved v2 2x2x2"]
     assert "F0.1" in outs["interleaved v2 2x2x2"]
     assert "zb-h1: 4 stages x 4 microbatches" in outs["zb 1x4x1"]
+    assert "zb-v: 2 stages x 2 chunks (V) x 4 microbatches" in outs["zbv 1x2x1"]
 
 
 def test_pipeline_speed_quick_writes_its_section(tmp_path):
