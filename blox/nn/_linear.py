@@ -407,7 +407,9 @@ class MLP(Module):
                 dtype=dtype,
                 param_dtype=param_dtype,
                 tp_axis=tp_axis,
-                tp_split=("column", "row")[i % 2],
+                # (the split means nothing without an axis: the default then, so that
+                # the layer reads as a plain Linear)
+                tp_split=("column", "row")[i % 2] if tp_axis is not None else "column",
             )
             for i, size in enumerate(output_sizes)
         ]
