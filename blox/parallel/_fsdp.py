@@ -6,8 +6,8 @@ whole step from `make_fsdp_train_step`), the params the loss function receives h
 **local shards** of those leaves, each marked with ``metadata['fsdp'] = (axis, dim)``;
 the loss function wraps each layer call in `fsdp_call`, which all-gathers that layer's
 marked leaves just before the call and drops them after. Its backward (a ``custom_vjp``
-that keeps only the shards and the inputs) gathers them again and recomputes the layer,
-then reduce-scatters the weights' gradients (the transpose of the gather): the gradients
+that keeps the layer's activations but not the full weights) gathers them again, then
+reduce-scatters the weights' gradients (the transpose of the gather): the gradients
 leave the step sharded, summed over the data axis, with no full gradient tree and no
 all-reduce of parameter-sized buffers.
 
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend.core import Literal
 from jax.sharding import Mesh, PartitionSpec
 
 from blox.core import Module, Params, Rng
@@ -58,6 +59,7 @@ __all__ = [
 # dtype (bf16 weights, f32 gradient sums).
 MARK = FSDP_MARK
 _GATHER_MODES = ("per_layer", "per_step")
+_REMAT_MODES = ("weights", True, False)
 
 
 # ---------------------------------------------------------------------------
@@ -396,7 +398,7 @@ def fsdp_call(
     params: Params,
     *args: Any,
     under: Path | str | None = None,
-    remat: bool = True,
+    remat: bool | str = "weights",
     gather_after: Any = None,
     **kwargs: Any,
 ) -> tuple[Any, Params]:
@@ -407,13 +409,13 @@ def fsdp_call(
     shards of the large trainable leaves, marked ``metadata['fsdp'] = (axis, dim)``.
     ``fsdp_call`` gathers the marked leaves whose path starts with `under` (one
     ``all_gather`` each), runs `fn` on the full weights, and returns `fn`'s output and
-    params with the shards back in place. With `remat` (default) only the shards and the
-    inputs are kept for the backward, which gathers the weights again (one more
-    ``all_gather``), recomputes the layer and reduce-scatters the weights' gradients (the
-    transpose of the gather), so the gradient of each shard arrives summed over the data
-    axis and no full weight outlives its layer. Outside an FSDP step
-    (no marked leaf under `under`) it is exactly ``fn(params, *args, **kwargs)``, so one
-    model serves DP, FSDP and one device.
+    params with the shards back in place. By default (``remat='weights'``) the backward
+    keeps the layer's activations but not its full weights: it gathers the weights again
+    (one more ``all_gather``), runs the layer's backward and reduce-scatters the weights'
+    gradients (the transpose of the gather), so the gradient of each shard arrives summed
+    over the data axis, no full weight outlives its layer and no forward runs twice.
+    Outside an FSDP step (no marked leaf under `under`) it is exactly ``fn(params, *args,
+    **kwargs)``, so one model serves DP, FSDP and one device.
 
     Args:
       fn: a blox `Module` or one of its methods (then `under` defaults to the module's
@@ -421,10 +423,14 @@ def fsdp_call(
       params: the params the loss function received.
       *args: passed to `fn`; array leaves are traced, other leaves are static.
       under: the path prefix of the weights `fn` uses (a tuple or ``'a/b'``).
-      remat: ``True``: keep only the shards and the inputs for the backward, which
-        gathers the weights again and recomputes the layer (one more forward per layer);
-        ``False``: keep the layer's residuals, full weights included, until the backward
-        (faster, but the full weights of every layer live at the peak).
+      remat: what the backward keeps. ``'weights'`` (default): the layer's residuals
+        (its activations, as under DP) except the full weights and what is computed
+        from the params alone (casts, transposes), which the backward gathers again and
+        rebuilds; the FLOPs of the layer under DP. ``True``: only the shards and the
+        inputs; the backward gathers the weights again and recomputes the layer (one
+        more forward per layer, the least activation memory). ``False``: every
+        residual, the full weights included (no second gather, but the full weights of
+        every layer live at the peak; refused inside a pipeline stage).
       gather_after: prefetch. By default the gather waits for this call's array
         arguments, so it runs just before the layer (XLA cannot hoist every layer's
         gather to the start). Pass arrays available earlier, e.g. the previous layer's
@@ -438,6 +444,7 @@ def fsdp_call(
 
     Raises:
       TypeError: `fn` is not a Module method and `under` is not given.
+      ValueError: `remat` is not ``'weights'``, ``True`` or ``False``.
 
     >>> import jax, jax.numpy as jnp, blox as bx
     >>> from blox import parallel as bp
@@ -450,6 +457,12 @@ def fsdp_call(
     prefix = _prefix(fn, under)
     if not isinstance(params, Params):
         raise TypeError(f"fsdp_call: params must be bx.Params, got {type(params).__name__}.")
+    if not (isinstance(remat, bool) or (isinstance(remat, str) and remat == "weights")):
+        raise ValueError(
+            f"fsdp_call: remat must be one of {_REMAT_MODES}, got {remat!r}. 'weights' keeps "
+            "the activations and gathers the weights again in the backward; True also "
+            "recomputes the layer; False keeps the full weights."
+        )
     marked = _marks_under(params, prefix)
     if not marked:
         return fn(params, *args, **kwargs)
@@ -574,11 +587,14 @@ def _scatter(grads: tuple, shards: tuple, marks: tuple) -> tuple:
     return tuple(out)
 
 
-def _gather_call_scatter(call: _LayerCall, marks: tuple, remat: bool) -> Callable:
+def _gather_call_scatter(call: _LayerCall, marks: tuple, remat: bool | str) -> Callable:
     """``run(shards, values, dyn, after)``: `call` on the gathered shards, a
-    ``custom_vjp`` whose backward reduce-scatters the weights' gradients. With `remat`
-    only the shards and the inputs are kept for the backward (which gathers again and
-    recomputes the layer); without, the layer's own residuals (full weights included)."""
+    ``custom_vjp`` whose backward reduce-scatters the weights' gradients. What it keeps
+    for the backward (`remat`): ``'weights'``, the layer's residuals except those of the
+    full weights alone (`_WeightResiduals`), which the backward gathers again and
+    rebuilds; ``True``, the shards and the inputs only (the backward gathers again and
+    recomputes the layer); ``False``, the layer's own residuals, full weights included."""
+    plan: list[_WeightResiduals] = []  # set by the forward, read by the backward
 
     @jax.custom_vjp
     def run(shards, values, dyn, after):
@@ -586,13 +602,20 @@ def _gather_call_scatter(call: _LayerCall, marks: tuple, remat: bool) -> Callabl
 
     def run_fwd(shards, values, dyn, after):
         full = _gather(shards, marks, after or dyn)
+        if remat == "weights":
+            plan[:] = [_WeightResiduals(call, full, values, dyn)]
+            out, kept = plan[0].forward(full, values, dyn)
+            return out, (kept, shards, values, after)
         if remat:  # residuals: the shards and the inputs only; the full weights die here
             return call(full, values, dyn), (shards, values, dyn, after)
         out, vjp = jax.vjp(call, full, values, dyn)  # the layer's own residuals
         return out, (vjp, shards, after)
 
     def run_bwd(res, ct):
-        if remat:
+        if remat == "weights":
+            kept, shards, values, after = res
+            vjp = plan[0].vjp(kept, _gather(shards, marks, ct[0]), values)
+        elif remat:
             shards, values, dyn, after = res
             _, vjp = jax.vjp(call, _gather(shards, marks, ct[0]), values, dyn)
         else:
@@ -603,6 +626,77 @@ def _gather_call_scatter(call: _LayerCall, marks: tuple, remat: bool) -> Callabl
 
     run.defvjp(run_fwd, run_bwd)
     return run
+
+
+class _WeightResiduals:
+    """The layer's VJP split for ``remat='weights'``: traced once (``jax.make_jaxpr`` of
+    ``jax.vjp(call, full, values, dyn)``), each residual is kept for the backward unless
+    it is a function of the weights alone: one that reads a full weight and none of the
+    call's traced arguments `dyn` (the full weight itself, its casts and transposes).
+    Those the backward rebuilds from the weights it gathers again (`vjp`), running the
+    equations of the trace that compute them (casts and transposes, no matmul with the
+    inputs: the layer's forward is not run twice).
+    """
+
+    def __init__(self, call: _LayerCall, full: tuple, values: tuple, dyn: list):
+        closed, shape = jax.make_jaxpr(lambda f, v, d: jax.vjp(call, f, v, d), return_shape=True)(
+            full, values, dyn
+        )
+        jaxpr = closed.jaxpr
+        n_full, n_values = len(jax.tree.leaves(full)), len(jax.tree.leaves(values))
+        self.consts, self.treedef = closed.consts, jax.tree.structure(shape[1])
+        self.out_tree = jax.tree.structure(shape[0])
+        self.n_out = self.out_tree.num_leaves
+        self.jaxpr = jaxpr
+        on_full = set(jaxpr.invars[:n_full])
+        on_dyn = set(jaxpr.invars[n_full + n_values :])
+        for eqn in jaxpr.eqns:  # what each value reads (an equation reads all its inputs)
+            ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+            if any(v in on_dyn for v in ins):
+                on_dyn.update(eqn.outvars)
+            elif any(v in on_full for v in ins):
+                on_full.update(eqn.outvars)
+        res = jaxpr.outvars[self.n_out :]
+        self.dropped = tuple(
+            not isinstance(v, Literal) and v in on_full and v not in on_dyn for v in res
+        )
+        self.rebuild = _sub_jaxpr(
+            jaxpr,
+            jaxpr.invars[: n_full + n_values],
+            [v for v, d in zip(res, self.dropped, strict=True) if d],
+        )
+
+    def forward(self, full: tuple, values: tuple, dyn: list) -> tuple[Any, list]:
+        """The layer's output and the residuals the backward keeps."""
+        flat = jax.tree.leaves((full, values, dyn))
+        got = jax.core.eval_jaxpr(self.jaxpr, self.consts, *flat)
+        out = jax.tree.unflatten(self.out_tree, got[: self.n_out])
+        res = got[self.n_out :]
+        return out, [r for r, d in zip(res, self.dropped, strict=True) if not d]
+
+    def vjp(self, kept: list, full: tuple, values: tuple) -> Callable:
+        """The layer's VJP from the kept residuals and the weights gathered again."""
+        rebuilt = iter(
+            jax.core.eval_jaxpr(self.rebuild, self.consts, *jax.tree.leaves((full, values)))
+        )
+        it = iter(kept)
+        leaves = [next(rebuilt) if d else next(it) for d in self.dropped]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _sub_jaxpr(jaxpr: Any, invars: list, outvars: list) -> Any:
+    """`jaxpr` reduced to the equations that compute `outvars` from `invars` (and the
+    constants), which must not read another input."""
+    need = {v for v in outvars if not isinstance(v, Literal)}
+    eqns = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in need for v in eqn.outvars):
+            eqns.append(eqn)
+            need.difference_update(eqn.outvars)
+            need.update(v for v in eqn.invars if not isinstance(v, Literal))
+    if need - set(invars) - set(jaxpr.constvars):
+        raise AssertionError("fsdp_call: a rebuilt residual reads the layer's inputs.")
+    return jaxpr.replace(invars=list(invars), eqns=eqns[::-1], outvars=list(outvars))
 
 
 def _put_back(

@@ -453,8 +453,8 @@ def _check_no_gathered_stash(jaxpr: Any, stashed: tuple, tr: Params, data_axis: 
             f"shape {tuple(v.aval.shape)} for its backward, once per microbatch in flight: "
             "stage_fn calls blox.parallel.fsdp_call(..., remat=False), which keeps the "
             "layer's residuals, full weights included. Inside a pipeline that costs more "
-            "memory than no FSDP at all; call fsdp_call with remat=True (the default): the "
-            "backward gathers the weight again."
+            "memory than no FSDP at all; call fsdp_call with remat='weights' (the default) "
+            "or remat=True: the backward gathers the weight again."
         )
 
 

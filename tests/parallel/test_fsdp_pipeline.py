@@ -247,17 +247,21 @@ def test_fsdp_remat_false_in_a_stage_raises():
         stage_fn, last_fn, mesh, num_microbatches=2, data_axis="data", stage_specs=specs
     )
     x = jnp.ones((8, 16))
-    with pytest.raises(ValueError, match=r"full\) weight 'stage/fc1/kernel'.*remat=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"full\) weight 'stage/fc1/kernel'.*remat='weights' \(the default\) or remat=True",
+    ):
         step(stacked, bx.Params().locked(), x, x)
 
 
 @pytest.mark.full_optimizations
-def test_fsdp_stash_holds_no_full_weight():
+@pytest.mark.parametrize("remat", ["weights", True])
+def test_fsdp_stash_holds_no_full_weight(remat):
     """GPipe stashes every microbatch: with FSDP stage weights (``fsdp_call``'s default
-    ``remat=True``) each further microbatch adds less temp memory than a quarter of one
-    stage's full weights: it keeps the layers' inputs (4 rows), never a gathered
-    weight."""
-    stage_fn, last_fn, stacked, mesh, specs = _wide(remat=True)
+    ``remat='weights'``, or ``remat=True``) each further microbatch adds less temp
+    memory than a quarter of one stage's full weights: it keeps the layers' activations
+    (4 rows; with ``True`` their inputs only), never a gathered weight."""
+    stage_fn, last_fn, stacked, mesh, specs = _wide(remat=remat)
     width = 128
     full = 2 * width * width * 4  # the stage's two full f32 kernels
 
