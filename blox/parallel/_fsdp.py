@@ -629,74 +629,143 @@ def _gather_call_scatter(call: _LayerCall, marks: tuple, remat: bool | str) -> C
 
 
 class _WeightResiduals:
-    """The layer's VJP split for ``remat='weights'``: traced once (``jax.make_jaxpr`` of
-    ``jax.vjp(call, full, values, dyn)``), each residual is kept for the backward unless
-    it is a function of the weights alone: one that reads a full weight and none of the
-    call's traced arguments `dyn` (the full weight itself, its casts and transposes).
-    Those the backward rebuilds from the weights it gathers again (`vjp`), running the
-    equations of the trace that compute them (casts and transposes, no matmul with the
-    inputs: the layer's forward is not run twice).
+    """The layer's VJP split for ``remat='weights'``.
+
+    Traced once (``jax.make_jaxpr`` of ``jax.vjp(call, full, values, dyn)``, with the
+    jitted calls inside inlined, `_Flat`), each residual is kept for the backward unless
+    it is computed from the params alone: it reads a full weight and none of the call's
+    traced arguments `dyn` (the full weight itself, its casts and transposes, also
+    inside a jitted function that reads the inputs too). The backward rebuilds those
+    from the weights it gathers again (`vjp`), running the equations of the trace that
+    compute them and no other (no product with the inputs: no forward runs twice).
     """
 
     def __init__(self, call: _LayerCall, full: tuple, values: tuple, dyn: list):
         closed, shape = jax.make_jaxpr(lambda f, v, d: jax.vjp(call, f, v, d), return_shape=True)(
             full, values, dyn
         )
-        jaxpr = closed.jaxpr
-        n_full, n_values = len(jax.tree.leaves(full)), len(jax.tree.leaves(values))
-        self.consts, self.treedef = closed.consts, jax.tree.structure(shape[1])
+        self.flat = _Flat(closed)
+        self.treedef = jax.tree.structure(shape[1])
         self.out_tree = jax.tree.structure(shape[0])
-        self.n_out = self.out_tree.num_leaves
-        self.jaxpr = jaxpr
-        on_full = set(jaxpr.invars[:n_full])
-        on_dyn = set(jaxpr.invars[n_full + n_values :])
-        for eqn in jaxpr.eqns:  # what each value reads (an equation reads all its inputs)
-            ins = [v for v in eqn.invars if not isinstance(v, Literal)]
-            if any(v in on_dyn for v in ins):
-                on_dyn.update(eqn.outvars)
-            elif any(v in on_full for v in ins):
-                on_full.update(eqn.outvars)
-        res = jaxpr.outvars[self.n_out :]
+        n_full, n_values = len(jax.tree.leaves(full)), len(jax.tree.leaves(values))
+        ins = self.flat.ins
+        on_full, on_dyn = set(ins[:n_full]), set(ins[n_full + n_values :])
+        for _, reads, writes in self.flat.eqns:  # an equation's outputs read all its inputs
+            reads = [k for k in reads if not isinstance(k, Literal)]
+            if any(k in on_dyn for k in reads):
+                on_dyn.update(writes)
+            elif any(k in on_full for k in reads):
+                on_full.update(writes)
+        res = self.flat.outs[self.out_tree.num_leaves :]
         self.dropped = tuple(
-            not isinstance(v, Literal) and v in on_full and v not in on_dyn for v in res
+            not isinstance(k, Literal) and k in on_full and k not in on_dyn for k in res
         )
-        self.rebuild = _sub_jaxpr(
-            jaxpr,
-            jaxpr.invars[: n_full + n_values],
-            [v for v, d in zip(res, self.dropped, strict=True) if d],
-        )
+        self.rebuild = self.flat.needed([k for k, d in zip(res, self.dropped, strict=True) if d])
+        if any(k in on_dyn for k in self.flat.reads(self.rebuild)):
+            raise AssertionError("fsdp_call: a rebuilt residual reads the layer's inputs.")
 
     def forward(self, full: tuple, values: tuple, dyn: list) -> tuple[Any, list]:
         """The layer's output and the residuals the backward keeps."""
-        flat = jax.tree.leaves((full, values, dyn))
-        got = jax.core.eval_jaxpr(self.jaxpr, self.consts, *flat)
-        out = jax.tree.unflatten(self.out_tree, got[: self.n_out])
-        res = got[self.n_out :]
-        return out, [r for r, d in zip(res, self.dropped, strict=True) if not d]
+        got = self.flat.run(jax.tree.leaves((full, values, dyn)), range(len(self.flat.eqns)))
+        n = self.out_tree.num_leaves
+        res = [r for r, d in zip(got[n:], self.dropped, strict=True) if not d]
+        return jax.tree.unflatten(self.out_tree, got[:n]), res
 
     def vjp(self, kept: list, full: tuple, values: tuple) -> Callable:
         """The layer's VJP from the kept residuals and the weights gathered again."""
-        rebuilt = iter(
-            jax.core.eval_jaxpr(self.rebuild, self.consts, *jax.tree.leaves((full, values)))
-        )
+        env = self.flat.run(jax.tree.leaves((full, values)), self.rebuild, outputs=False)
+        n = self.out_tree.num_leaves
+        res = self.flat.outs[n:]
         it = iter(kept)
-        leaves = [next(rebuilt) if d else next(it) for d in self.dropped]
+        leaves = [
+            self.flat.read(env, k) if d else next(it)
+            for k, d in zip(res, self.dropped, strict=True)
+        ]
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def _sub_jaxpr(jaxpr: Any, invars: list, outvars: list) -> Any:
-    """`jaxpr` reduced to the equations that compute `outvars` from `invars` (and the
-    constants), which must not read another input."""
-    need = {v for v in outvars if not isinstance(v, Literal)}
-    eqns = []
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in need for v in eqn.outvars):
-            eqns.append(eqn)
-            need.difference_update(eqn.outvars)
-            need.update(v for v in eqn.invars if not isinstance(v, Literal))
-    if need - set(invars) - set(jaxpr.constvars):
-        raise AssertionError("fsdp_call: a rebuilt residual reads the layer's inputs.")
-    return jaxpr.replace(invars=list(invars), eqns=eqns[::-1], outvars=list(outvars))
+# Call primitives whose jaxpr `_Flat` inlines (their outputs then depend on what each
+# reads, not on all their inputs).
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+
+class _Flat:
+    """A closed jaxpr's equations with its jitted calls inlined, each value keyed
+    ``(scope, var)`` (a jaxpr inlined twice gets two scopes); `Literal`\\ s stay
+    themselves.
+
+    Attributes:
+      eqns: ``(eqn, read keys, written keys)`` in order.
+      consts: ``{key: value}`` of the jaxprs' constants.
+      ins, outs: the keys (or literals) of the top jaxpr's inputs and outputs.
+    """
+
+    def __init__(self, closed: Any):
+        self.eqns: list = []
+        self.consts: dict = {}
+        self._scopes = 0
+        jaxpr = closed.jaxpr
+        self.ins = [(0, v) for v in jaxpr.invars]
+        self.outs = self._inline(jaxpr, list(closed.consts), self.ins)
+
+    def _inline(self, jaxpr: Any, consts: list, ins: list) -> list:
+        me = self._scopes
+        self._scopes += 1
+        alias = dict(zip(jaxpr.invars, ins, strict=True))
+
+        def key(v):
+            return v if isinstance(v, Literal) else alias.get(v, (me, v))
+
+        for cv, val in zip(jaxpr.constvars, consts, strict=True):
+            self.consts[key(cv)] = val
+        for eqn in jaxpr.eqns:
+            sub = eqn.params.get("jaxpr") if eqn.primitive.name in _CALLS else None
+            inner = getattr(sub, "jaxpr", None)
+            if inner is not None and len(inner.invars) == len(eqn.invars):
+                got = self._inline(inner, list(sub.consts), [key(a) for a in eqn.invars])
+                alias.update(zip(eqn.outvars, got, strict=True))
+                continue
+            self.eqns.append((eqn, [key(a) for a in eqn.invars], [key(o) for o in eqn.outvars]))
+        return [key(v) for v in jaxpr.outvars]
+
+    def needed(self, outs: list) -> list[int]:
+        """The indices of the equations that compute `outs`, in order."""
+        need = {k for k in outs if not isinstance(k, Literal)}
+        which = []
+        for i in range(len(self.eqns) - 1, -1, -1):
+            _, reads, writes = self.eqns[i]
+            if any(k in need for k in writes):
+                which.append(i)
+                need.update(k for k in reads if not isinstance(k, Literal))
+        return which[::-1]
+
+    def reads(self, which: list[int]) -> set:
+        """The keys the equations `which` read that none of them writes."""
+        written = {k for i in which for k in self.eqns[i][2]}
+        return {
+            k
+            for i in which
+            for k in self.eqns[i][1]
+            if not isinstance(k, Literal) and k not in written
+        }
+
+    @staticmethod
+    def read(env: dict, k: Any) -> Any:
+        return k.val if isinstance(k, Literal) else env[k]
+
+    def run(self, args: list, which: Any, outputs: bool = True) -> Any:
+        """Binds the equations `which` on the inputs `args` (a prefix of the inputs);
+        returns the outputs' values, or with ``outputs=False`` the values by key."""
+        env = dict(self.consts)
+        env.update(zip(self.ins[: len(args)], args, strict=True))
+        for i in which:
+            eqn, reads, writes = self.eqns[i]
+            with eqn.ctx.manager:
+                got = eqn.primitive.bind(
+                    *(self.read(env, k) for k in reads), **eqn.primitive.get_bind_params(eqn.params)
+                )
+            env.update(zip(writes, got if eqn.primitive.multiple_results else [got], strict=True))
+        return [self.read(env, k) for k in self.outs] if outputs else env
 
 
 def _put_back(

@@ -37,6 +37,24 @@ class TwoLinear(bx.Module):
         return self.fc2(params, jnp.tanh(h))
 
 
+def _scaled_inside_jit(fc):
+    """``tanh(x @ (2 W) + b)`` with ``2 W`` computed inside a ``jax.jit`` that also reads
+    ``x``: a residual of the weight alone that comes out of a call with the input."""
+    path = fc.graph.path
+
+    @jax.jit
+    def product(x, w):
+        return x @ (w * jnp.asarray(2, w.dtype))
+
+    def call(p, x):
+        if (*path, "kernel") not in p:  # creates the params
+            return fc(p, x)
+        y = product(x, p[(*path, "kernel")].value) + p[(*path, "bias")].value[None]
+        return jnp.tanh(y), p
+
+    return call
+
+
 def _layer(kind, dtype, width, rows=2):
     """``(call, params, x_shape)``: one layer, its params and the global batch shape
     (`N` devices x `rows`; sequences of 8 tokens for the block)."""
@@ -48,6 +66,10 @@ def _layer(kind, dtype, width, rows=2):
 
         def call(p, x):
             return layer(p, x)
+    elif kind == "jitted":
+        layer = bx.Linear(g / "layer", width, rng, param_dtype=dtype)
+        shape = (rows * N, width)
+        call = _scaled_inside_jit(layer)
     else:
         layer = bx.TransformerBlock(
             g / "layer", width, 4, rng, mlp_size=4 * width, param_dtype=dtype
@@ -120,6 +142,7 @@ _STANDARD = pytest.mark.standard_promotion
         ("mlp", jnp.bfloat16),
         ("block", jnp.float32),
         pytest.param("block", jnp.bfloat16, marks=_STANDARD),
+        ("jitted", jnp.float32),
     ],
 )
 def test_weights_mode_gradients_equal_one_device(kind, dtype):
@@ -179,49 +202,56 @@ def test_one_layer_costs_the_flops_of_dp(kind, dtype):
     assert recompute >= 1.1 * dp, (recompute, dp)
 
 
+def _stack_step(mode, jitted, layers, width, rows, mesh):
+    """The compiled fwd + bwd of `layers` Linear layers (tanh after each) through
+    `fsdp_call` with `remat` `mode`; `jitted`: each layer `_scaled_inside_jit`."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    fcs = [bx.Linear(g / f"fc_{i}", width, rng) for i in range(layers)]
+    calls = [_scaled_inside_jit(fc) if jitted else fc for fc in fcs]
+
+    def model(p, x):
+        for fc, call in zip(fcs, calls, strict=True):
+            x, p = bp.fsdp_call(call, p, x, under=fc.graph.path, remat=mode)
+            x = x if jitted else jnp.tanh(x)
+        return x, p
+
+    def loss(p, x):
+        out, p = model(p, x)
+        return jnp.sum(out**2), p
+
+    init = lambda: model(rng.seed(bx.Params(), seed=0), jnp.zeros((1, width)))[1].locked()  # noqa: E731
+    abstract = jax.eval_shape(init)
+    specs = bp.fsdp_specs(abstract, mesh)
+    grad = bp.fsdp_value_and_grad(loss, specs)
+    step = jax.shard_map(
+        lambda p, x: grad(p, x)[:2],
+        mesh=mesh,
+        in_specs=(specs, P("data")),
+        out_specs=(P(), specs.split()[0]),
+    )
+    x = jax.ShapeDtypeStruct(
+        (rows * N, width), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+    )
+    return jax.jit(step).lower(_abstract(abstract, specs, mesh), x).compile(FUSION)
+
+
 @pytest.mark.full_optimizations
-def test_weights_mode_keeps_no_full_weight_for_the_backward():
+@pytest.mark.parametrize("jitted", [False, True])
+def test_weights_mode_keeps_no_full_weight_for_the_backward(jitted):
     """8 layers: with ``remat=False`` the backward starts with the full kernels of every
     layer alive (they are residuals); with ``'weights'`` the backward gathers each again
     (one all-gather per layer forward, one per layer backward but the first, whose
     input needs no gradient) and the temporaries hold about two layers' full weights
-    (a gathered kernel and its gradient before the reduce-scatter)."""
+    (a gathered kernel and its gradient before the reduce-scatter). `jitted`: the
+    residual is ``2 W``, computed inside a ``jax.jit`` that also reads the input, and
+    it is rebuilt all the same."""
     layers, width, rows = 8, 256, 2
     mesh = bp.make_mesh((N,), ("data",))
     layer = width * width * 4
     temp, gathers = {}, {}
     for mode in ("weights", False):
-        g = bx.Graph("net")
-        rng = bx.Rng(g / "rng")
-        fcs = [bx.Linear(g / f"fc_{i}", width, rng) for i in range(layers)]
-
-        def model(p, x, fcs=fcs, mode=mode):
-            for fc in fcs:
-                x, p = bp.fsdp_call(fc, p, x, remat=mode)
-                x = jnp.tanh(x)
-            return x, p
-
-        def loss(p, x, model=model):
-            out, p = model(p, x)
-            return jnp.sum(out**2), p
-
-        init = lambda model=model, rng=rng: model(  # noqa: E731
-            rng.seed(bx.Params(), seed=0), jnp.zeros((1, width))
-        )[1].locked()
-        abstract = jax.eval_shape(init)
-        specs = bp.fsdp_specs(abstract, mesh)
-        grad = bp.fsdp_value_and_grad(loss, specs)
-        step = jax.jit(
-            jax.shard_map(
-                lambda p, x, grad=grad: grad(p, x)[:2],
-                mesh=mesh,
-                in_specs=(specs, P("data")),
-                out_specs=(P(), specs.split()[0]),
-            )
-        )
-        x = jax.ShapeDtypeStruct((rows * N, width), jnp.float32,
-                                 sharding=NamedSharding(mesh, P("data")))  # fmt: skip
-        compiled = step.lower(_abstract(abstract, specs, mesh), x).compile(FUSION)
+        compiled = _stack_step(mode, jitted, layers, width, rows, mesh)
         temp[mode] = compiled.memory_analysis().temp_size_in_bytes
         hlo = compiled.as_text()
         gathers[mode] = len(re.findall(r" all-gather(?:-start)?\(", hlo))
