@@ -67,7 +67,7 @@ def _batch():
     return jnp.asarray(x), jnp.asarray(y)
 
 
-@pytest.mark.parametrize(("data", "schedule"), [(2, "1f1b"), (4, "1f1b"), (2, "gpipe")])
+@pytest.mark.parametrize(("data", "schedule"), [(2, "1f1b"), (4, "1f1b"), (2, "gpipe"), (2, "zb")])
 def test_fsdp_stages_equal_one_device(data, schedule):
     stage_fn, last_fn, init = _model()
     stages, shared = init()

@@ -86,13 +86,16 @@ def _layer(kind, dtype, width, rows=2):
 
 def _loss(call, mode):
     """The mean square of the layer's output; `mode`: ``'dp'`` (a plain call),
-    ``'default'`` (`fsdp_call` without `remat`) or a `remat` value."""
+    ``'default'`` (`fsdp_call` without `remat`), ``'checkpoint'`` (the default inside
+    the user's ``jax.checkpoint``) or a `remat` value."""
 
     def loss(p, x):
         if mode == "dp":
             out, p = call(p, x)
         elif mode == "default":
             out, p = bp.fsdp_call(call, p, x, under="net/layer")
+        elif mode == "checkpoint":
+            out, p = jax.checkpoint(lambda p, x: bp.fsdp_call(call, p, x, under="net/layer"))(p, x)
         else:
             out, p = bp.fsdp_call(call, p, x, under="net/layer", remat=mode)
         return jnp.mean(out.astype(jnp.float32) ** 2), p
@@ -136,22 +139,24 @@ _STANDARD = pytest.mark.standard_promotion
 
 
 @pytest.mark.parametrize(
-    ("kind", "dtype"),
+    ("kind", "dtype", "mode"),
     [
-        ("mlp", jnp.float32),
-        ("mlp", jnp.bfloat16),
-        ("block", jnp.float32),
-        pytest.param("block", jnp.bfloat16, marks=_STANDARD),
-        ("jitted", jnp.float32),
+        ("mlp", jnp.float32, "weights"),
+        ("mlp", jnp.bfloat16, "weights"),
+        ("block", jnp.float32, "weights"),
+        pytest.param("block", jnp.bfloat16, "weights", marks=_STANDARD),
+        ("jitted", jnp.float32, "weights"),
+        ("mlp", jnp.float32, "checkpoint"),
     ],
 )
-def test_weights_mode_gradients_equal_one_device(kind, dtype):
+def test_weights_mode_gradients_equal_one_device(kind, dtype, mode):
     """Loss and every gradient of ``remat='weights'`` on 8 devices equal ``jax.grad`` of
-    the whole batch on one device (the same bf16 params and batch for bf16)."""
+    the whole batch on one device (the same bf16 params and batch for bf16); also
+    inside a ``jax.checkpoint`` of the user's."""
     mesh = bp.make_mesh((N,), ("data",))
     call, params, shape = _layer(kind, dtype, width=32)
     x = jnp.asarray(np.random.default_rng(0).normal(size=shape), dtype)
-    step, specs = _grad_step(call, params, "weights", mesh)
+    step, specs = _grad_step(call, params, mode, mesh)
     loss, grads = step(_placed(params, specs, mesh), _placed(x, P("data"), mesh))
     trained, rest = params.split()
     ref_loss, ref = jax.jit(jax.value_and_grad(lambda t: _loss(call, "dp")(t.merge(rest), x)[0]))(
