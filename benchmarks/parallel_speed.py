@@ -18,7 +18,7 @@ On CPU the script simulates 8 devices (``XLA_FLAGS=--xla_force_host_platform_dev
 
 (c) FSDP train step of an MLP (L x Linear -> tanh, MSE, Adam) on an 8-device data mesh:
     ``bp.make_fsdp_train_step`` (params and Adam state sharded by ``bp.fsdp_specs``,
-    each layer gathered in ``bp.fsdp_call``; with and without the backward's re-gather)
+    each layer gathered in ``bp.fsdp_call``, with ``remat`` False, True and 'weights')
     against the same model under ``jax.jit`` with the same FSDP shardings on an Auto mesh,
     XLA inserting the collectives (GSPMD), and against plain DP (``make_dp_train_step``,
     replicated). Per-device memory (arguments + outputs - aliases + temporaries, from
@@ -275,6 +275,7 @@ def build_fsdp(batch: int, width: int, layers: int):
     out, checks = [], []
     first = {}
     modes = [("fsdp blox", False, "fsdp"), ("fsdp blox remat", True, "fsdp"),
+             ("fsdp blox weights", "weights", "fsdp"),
              ("fsdp gspmd", False, "gspmd"), ("mlp dp blox", False, "dp")]  # fmt: skip
     for name, remat, mode in modes:
         g = bx.Graph("net")
@@ -326,7 +327,7 @@ def build_fsdp(batch: int, width: int, layers: int):
     diff = max(float(np.max(np.abs(w - ref_w))) for _, w in first.values())
     assert all(abs(v - ref_loss) <= 1e-5 * abs(ref_loss) for v, _ in first.values()), first
     assert diff <= 1e-5, diff
-    check = (f"(c) first loss {ref_loss:.9g} in all four; max |fc_0 kernel diff| after one Adam "
+    check = (f"(c) first loss {ref_loss:.9g} in all five; max |fc_0 kernel diff| after one Adam "
              f"step {diff:.1e}; per-device memory: " + "; ".join(checks))  # fmt: skip
     return out, check
 
@@ -359,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "fsdp blox", "fsdp gspmd", TARGET),
                                       Pair("(c) FSDP step with backward re-gather vs GSPMD",
                                            "fsdp blox remat", "fsdp gspmd", None),
+                                      Pair("(c) FSDP step, remat='weights' (the default) vs "
+                                           "GSPMD", "fsdp blox weights", "fsdp gspmd", None),
                                       Pair("(c) FSDP step vs plain DP", "fsdp blox",
                                            "mlp dp blox", None)])  # fmt: skip
     for p in pairs:
@@ -380,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         "(local heads, `lax.psum` after each row-parallel matmul) on a dict.",
         f"- (c) FSDP: an MLP of {fl} x (Linear {fw}x{fw} -> tanh), MSE, Adam, global batch "
         f"{batch}, 8-device `data` mesh; `bp.make_fsdp_train_step` (params and Adam state "
-        "sharded by `bp.fsdp_specs`, layers gathered in `bp.fsdp_call`, with and without "
-        "the backward's re-gather) vs the same model under `jax.jit` with the same shardings "
+        "sharded by `bp.fsdp_specs`, layers gathered in `bp.fsdp_call`: `remat=False` keeps "
+        "the full weights for the backward, `remat=True` re-gathers them and recomputes the "
+        "layer, `remat='weights'` (the default) re-gathers only the weights) vs the same "
+        "model under `jax.jit` with the same shardings "
         "on an Auto mesh (XLA inserts the collectives: GSPMD) and vs `bp.make_dp_train_step` "
         "(replicated). Per-device memory of each compiled step is under 'Same math'.",
         _timing.counts_bullet(
