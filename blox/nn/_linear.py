@@ -37,6 +37,21 @@ _TP_AXIS_NOT_IN_MESH = (
 )
 
 
+def axis_is_bound(axis: str, error: str, **fields: Any) -> bool:
+    """Whether an enclosing ``jax.shard_map`` binds the mesh axis `axis` (manual mode).
+    Inside a ``shard_map`` whose mesh has no such axis at all, raises ``ValueError(
+    error.format(axis=..., names=<the mesh's axes>, **fields))``: the layer would
+    otherwise compute the unsharded math on a shard without a word."""
+    from blox.parallel._mesh import bound_axes  # parallel imports nn
+
+    if axis in bound_axes():
+        return True
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.manual_axes and axis not in mesh.axis_names:
+        raise ValueError(error.format(axis=axis, names=tuple(mesh.axis_names), **fields))
+    return False
+
+
 def tp_axis_size(axis: str | None, where: str, what: str = "parameters") -> int | None:
     """The size of the tensor-parallel axis `axis` where it is bound by an enclosing
     ``jax.shard_map`` (manual mode: parameters and activations are this device's
@@ -47,15 +62,9 @@ def tp_axis_size(axis: str | None, where: str, what: str = "parameters") -> int 
     over the axis)."""
     if axis is None:
         return None
-    from blox.parallel._mesh import bound_axes, check_vma_enabled  # parallel imports nn
+    from blox.parallel._mesh import check_vma_enabled  # parallel imports nn
 
-    if axis not in bound_axes():
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.manual_axes and axis not in mesh.axis_names:
-            names = tuple(mesh.axis_names)
-            raise ValueError(
-                _TP_AXIS_NOT_IN_MESH.format(where=where, axis=axis, names=names, what=what)
-            )
+    if not axis_is_bound(axis, _TP_AXIS_NOT_IN_MESH, where=where, what=what):
         return None
     if not check_vma_enabled():
         raise ValueError(

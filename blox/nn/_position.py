@@ -12,6 +12,7 @@ from jax.typing import ArrayLike
 from blox.core import Graph, Module, Params, Rng
 from blox.core._module import stored_shape_error
 from blox.core._params import format_path
+from blox.nn._linear import axis_is_bound
 
 __all__ = [
     "LearnedPositionalEmbedding",
@@ -151,15 +152,7 @@ def context_shard(axis: str | None, where: str) -> tuple[jax.Array, int] | None:
     contiguous shards of the sequence), else None (the sequence is whole: the layer
     computes the unsharded math). Raises, naming `where`, when `axis` is not an axis of
     the enclosing ``shard_map``'s mesh at all."""
-    if axis is None:
-        return None
-    from blox.parallel._mesh import bound_axes  # parallel imports nn
-
-    if axis not in bound_axes():
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.manual_axes and axis not in mesh.axis_names:
-            names = tuple(mesh.axis_names)
-            raise ValueError(_CONTEXT_AXIS_NOT_IN_MESH.format(where=where, axis=axis, names=names))
+    if axis is None or not axis_is_bound(axis, _CONTEXT_AXIS_NOT_IN_MESH, where=where):
         return None
     return jax.lax.axis_index(axis).astype(jnp.int32), jax.lax.axis_size(axis)
 

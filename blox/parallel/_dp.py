@@ -61,15 +61,9 @@ _HOST_BATCH = (
 )
 
 
-def _check_data_axis(mesh: Any, axis: Any, where: str) -> tuple[str, ...]:
-    """`mesh` is a ``Mesh`` holding the data axis `axis`, one name or a tuple of
-    distinct names (TypeError / ValueError naming `where`); returns the names. Shared
-    by the DP and FSDP entry points."""
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}. Build "
-            "one with blox.parallel.make_mesh."
-        )
+def _axis_names(axis: Any, where: str) -> tuple[str, ...]:
+    """The data axis `axis` as a tuple of names: one mesh-axis name or a tuple of
+    distinct names (TypeError naming `where` otherwise). Shared by DP and FSDP."""
     names = (axis,) if isinstance(axis, str) else axis
     if (
         not isinstance(names, tuple)
@@ -81,6 +75,19 @@ def _check_data_axis(mesh: Any, axis: Any, where: str) -> tuple[str, ...]:
             f"{where}: axis must be a mesh-axis name or a tuple of distinct names (e.g. "
             f"('data', 'context') for data x context parallelism), got {axis!r}."
         )
+    return names
+
+
+def _check_data_axis(mesh: Any, axis: Any, where: str) -> tuple[str, ...]:
+    """`mesh` is a ``Mesh`` holding the data axis `axis`, one name or a tuple of
+    distinct names (TypeError / ValueError naming `where`); returns the names. Shared
+    by the DP and FSDP entry points."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}. Build "
+            "one with blox.parallel.make_mesh."
+        )
+    names = _axis_names(axis, where)
     missing = [n for n in names if n not in mesh.axis_names]
     if missing and isinstance(axis, str):
         raise ValueError(

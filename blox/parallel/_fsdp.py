@@ -35,6 +35,7 @@ from blox.core._params import Path, format_path
 from blox.parallel._collectives import check_axis
 from blox.parallel._dp import (
     _aux_finish,
+    _axis_names,
     _check_data_axis,
     _check_rngs,
     _like,
@@ -950,17 +951,7 @@ def _check_fsdp_options(microbatches: Any, gather: Any, specs: Any, axis: Any, w
             f"{where}: specs must be the Params of PartitionSpec from fsdp_specs, got "
             f"{type(specs).__name__}."
         )
-    names = (axis,) if isinstance(axis, str) else axis
-    if (
-        not isinstance(names, tuple)
-        or not names
-        or not all(isinstance(n, str) and n for n in names)
-        or len(set(names)) != len(names)
-    ):
-        raise TypeError(
-            f"{where}: axis must be one mesh-axis name or a tuple of distinct names (e.g. "
-            f"('data', 'context')), got {axis!r}."
-        )
+    _axis_names(axis, where)
 
 
 def _check_step_params(params: Any, specs: Params, where: str) -> None:
