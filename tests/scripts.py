@@ -7,6 +7,8 @@ without the ``BLOX_`` variables a launched group sets per process."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -99,3 +101,17 @@ def run_benchmark_quick(script: str, section: str, out: Path, *args: str) -> str
     for marker in (f"<!-- bench:{section}:begin -->", f"<!-- bench:{section}:end -->"):
         assert text.count(marker) == 1, (marker, text)
     return text
+
+
+@functools.cache
+def load_example(name: str):
+    """``examples/<name>.py`` as a module, imported once per test process and registered
+    under `name` (``examples/`` is not a package; an example's own ``import cartpole``
+    then finds the same module)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -10,14 +10,13 @@ The example runs in this process (its ``main(argv)``), on the 8 simulated CPU de
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_example
+
 STEP = re.compile(r"^step=(\d+) loss=(\S+)$", re.M)
 TEMP = re.compile(r"^attn_temp_bytes=(\d+)$", re.M)
 STEPS = 2
@@ -25,14 +24,7 @@ STEPS = 2
 pytestmark = pytest.mark.standard_promotion  # Optax's AdamW mixes float and int32
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("gpt_tp", ROOT / "examples" / "gpt_tp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GPT = _example()
+GPT = load_example("gpt_tp")
 
 
 def _run(capsys, *argv):
