@@ -315,8 +315,9 @@ class MultiHeadAttention(Module):
     Dtype policy: projections compute in the promotion of the input and parameter
     dtypes (or ``dtype``); the softmax runs in float32 (float64 for float64). The
     attention itself is ``jax.nn.dot_product_attention`` except with dropout in
-    training or in float64 (whose softmax jax computes in float32), where the same
-    math is written out.
+    training, in float64 (whose softmax jax computes in float32) and for bfloat16 /
+    float16 under ``jax_numpy_dtype_promotion='strict'`` (whose backward jax cannot
+    lower), where the same math is written out.
 
     KV-cache overflow: eagerly (cache index a concrete value) a call that would write
     past L raises ``ValueError``; under ``jax.jit`` the index is a traced value, so
@@ -704,7 +705,14 @@ class MultiHeadAttention(Module):
             seg = jnp.broadcast_to(jnp.asarray(segment_ids), (b, t))
             same = (seg[:, :, None] == seg[:, None, :])[:, None]
             mask = same if mask is None else jnp.logical_and(mask, same)
-        if dropout_key is None and q.dtype != jnp.float64:
+        # jax.nn.dot_product_attention's backward does not lower for bf16/fp16 under
+        # strict dtype promotion (its transposed dot mixes f32 and bf16 when it is
+        # lowered, outside any scope of ours): the same math written out there.
+        low_strict = (
+            q.dtype in (jnp.bfloat16, jnp.float16)
+            and jax.config.jax_numpy_dtype_promotion == "strict"
+        )
+        if dropout_key is None and q.dtype != jnp.float64 and not low_strict:
             # jax's own promotion of bf16 logits to f32 is not strict-clean; scope it.
             with jax.numpy_dtype_promotion("standard"):
                 return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)

@@ -526,3 +526,28 @@ def test_attend_step_alone_equals_numpy_gqa_and_its_dropout_bits_follow_first_he
                        dropout_key=key, first_head=2)  # fmt: skip
     np.testing.assert_allclose(np.asarray(part), np.asarray(every[:, :, 2:]), **tol(jnp.float32))
     assert tuple(attn.head_layout()) == (n, k, 0, None)  # no shard_map: every head
+
+
+def test_bf16_gradients_lower_under_strict_promotion_and_match_standard():
+    """Under ``jax_numpy_dtype_promotion='strict'`` (the suite's default) a bfloat16
+    attention's gradient compiles (jax.nn.dot_product_attention's backward does not
+    lower there: the layer writes the same math out) and equals the gradient of the
+    jax.nn.dot_product_attention path taken under 'standard' promotion."""
+    g = bx.Graph("net")
+    rng = bx.Rng(g / "rng")
+    attn = bx.MultiHeadAttention(g / "attn", 32, 4, rng, num_kv_heads=2, param_dtype=jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 8, 32)), jnp.bfloat16)
+    params = attn(rng.seed(bx.Params(), seed=0), x, is_causal=True)[1].locked()
+    train, rest = params.split()
+
+    def loss(t):
+        y, _ = attn(t.merge(rest), x, is_causal=True)
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    strict = jax.jit(jax.value_and_grad(loss))(train)
+    with jax.numpy_dtype_promotion("standard"):
+        standard = jax.jit(jax.value_and_grad(loss))(train)
+    for a, b in zip(jax.tree.leaves(strict), jax.tree.leaves(standard), strict=True):
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), **tol(jnp.bfloat16)
+        )

@@ -133,18 +133,13 @@ def _abstract(tree, specs, mesh):
     )
 
 
-# A bf16 TransformerBlock fails to lower under strict promotion, on one device too
-# (the attention's bf16 x bf16 -> f32 einsum in dot_product_attention).
-_STANDARD = pytest.mark.standard_promotion
-
-
 @pytest.mark.parametrize(
     ("kind", "dtype", "mode"),
     [
         ("mlp", jnp.float32, "weights"),
         ("mlp", jnp.bfloat16, "weights"),
         ("block", jnp.float32, "weights"),
-        pytest.param("block", jnp.bfloat16, "weights", marks=_STANDARD),
+        ("block", jnp.bfloat16, "weights"),  # under the suite's strict promotion
         ("jitted", jnp.float32, "weights"),
         ("mlp", jnp.float32, "checkpoint"),
     ],
