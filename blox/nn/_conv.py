@@ -689,6 +689,38 @@ class ConvTranspose(_ConvBase):
         pads = transpose_pads(self.padding, windows, self.strides)
         return [(lo, hi + op) for (lo, hi), op in zip(pads, self.output_padding, strict=True)]
 
+    def _check_output_size(self, x: jax.Array, spatial, pads) -> None:
+        """Refuses padding that leaves a spatial axis of the output empty."""
+        for i in range(self.num_spatial_dims):
+            size = dilate(spatial[i], self.strides[i])
+            window = dilate(self.kernel_size[i], self.kernel_dilation[i])
+            lo, hi = pads[i]
+            if size + lo + hi < window:
+                raise ValueError(
+                    f"{self._where}: spatial axis {i} (input shape {tuple(x.shape)}) with "
+                    f"padding ({lo}, {hi}) gives an empty output (dilated kernel size "
+                    f"{window}). Use larger padding values or a smaller kernel."
+                )
+
+    def _kernel_shape(self, params: Params, x: jax.Array, cin: int) -> tuple[int, ...]:
+        """The kernel's stored shape in this layer's layout (`transpose_kernel`); refuses a
+        stored kernel in the other layout, naming the fix."""
+        g, cout = self.feature_group_count, self.output_channels
+        tk_shape = self.kernel_size + (cout // g, cin)
+        kshape = tk_shape if self.transpose_kernel else self.kernel_size + (cout, cin // g)
+        other = self.kernel_size + (cout, cin // g) if self.transpose_kernel else tk_shape
+        existing = getattr(self.peek_param(params, "kernel"), "shape", None)
+        if existing is not None and tuple(existing) == other != kshape:
+            raise ValueError(
+                f"{self._where}: its kernel has shape {tuple(existing)} in params, the "
+                f"layout of transpose_kernel={not self.transpose_kernel}, but this layer has "
+                f"transpose_kernel={self.transpose_kernel} and needs {kshape} for input "
+                f"shape {tuple(x.shape)}. Construct it with transpose_kernel="
+                f"{not self.transpose_kernel} (PyTorch weights: True), or convert the "
+                "kernel as the ConvTranspose docstring shows."
+            )
+        return kshape
+
     def __call__(
         self,
         params: Params,
@@ -703,29 +735,8 @@ class ConvTranspose(_ConvBase):
         batch, cin, spatial = self._check_input(x)
         n, g, cout = self.num_spatial_dims, self.feature_group_count, self.output_channels
         pads = self.output_pads()
-        for i in range(n):
-            size = dilate(spatial[i], self.strides[i])
-            window = dilate(self.kernel_size[i], self.kernel_dilation[i])
-            lo, hi = pads[i]
-            if size + lo + hi < window:
-                raise ValueError(
-                    f"{self._where}: spatial axis {i} (input shape {tuple(x.shape)}) with "
-                    f"padding ({lo}, {hi}) gives an empty output (dilated kernel size "
-                    f"{window}). Use larger padding values or a smaller kernel."
-                )
-        tk_shape = self.kernel_size + (cout // g, cin)
-        kshape = tk_shape if self.transpose_kernel else self.kernel_size + (cout, cin // g)
-        other = self.kernel_size + (cout, cin // g) if self.transpose_kernel else tk_shape
-        existing = getattr(self.peek_param(params, "kernel"), "shape", None)
-        if existing is not None and tuple(existing) == other != kshape:
-            raise ValueError(
-                f"{self._where}: its kernel has shape {tuple(existing)} in params, the "
-                f"layout of transpose_kernel={not self.transpose_kernel}, but this layer has "
-                f"transpose_kernel={self.transpose_kernel} and needs {kshape} for input "
-                f"shape {tuple(x.shape)}. Construct it with transpose_kernel="
-                f"{not self.transpose_kernel} (PyTorch weights: True), or convert the "
-                "kernel as the ConvTranspose docstring shows."
-            )
+        self._check_output_size(x, spatial, pads)
+        kshape = self._kernel_shape(params, x, cin)
         perm = self._permute()
         self._check_kernel(
             params,

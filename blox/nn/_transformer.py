@@ -199,6 +199,32 @@ class TransformerBlock(Module):
         return x + h.astype(x.dtype), params
 
 
+def _check_lm_config(where: str, position: str, max_length: Any, num_layers: Any) -> None:
+    """`TransformerLM`'s position encoding and depth, or an error naming `where`."""
+    if position not in ("rope", "learned", "sinusoidal", "none"):
+        raise ValueError(
+            f"{where}: position must be 'rope', 'learned', 'sinusoidal' or 'none', got "
+            f"{position!r}."
+        )
+    if position == "learned" and max_length is None:
+        raise ValueError(f"{where}: position='learned' needs max_length=<int>.")
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"{where}: num_layers must be a positive int, got {num_layers!r}.")
+
+
+def _position_module(
+    graph: Graph, position: str, max_length: Any, rng: Rng | None, param_dtype: Any
+) -> Module | None:
+    """The additive position encoding at ``graph / 'pos'`` (None for RoPE or none)."""
+    if position == "learned":
+        return LearnedPositionalEmbedding(
+            graph.child("pos"), max_length, rng, param_dtype=param_dtype
+        )
+    if position == "sinusoidal":
+        return SinusoidalPositionalEncoding(graph.child("pos"))
+    return None
+
+
 class TransformerLM(Module):
     """A decoder-only (causal) transformer language model built from `TransformerBlock`::
 
@@ -298,15 +324,7 @@ class TransformerLM(Module):
         super().__init__(graph)
         where = f"TransformerLM '{self.path_str}'"
         self.context_axis, _ = check_context_config(where, context_axis, context_variant, None)
-        if position not in ("rope", "learned", "sinusoidal", "none"):
-            raise ValueError(
-                f"{where}: position must be 'rope', 'learned', 'sinusoidal' or 'none', got "
-                f"{position!r}."
-            )
-        if position == "learned" and max_length is None:
-            raise ValueError(f"{where}: position='learned' needs max_length=<int>.")
-        if not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"{where}: num_layers must be a positive int, got {num_layers!r}.")
+        _check_lm_config(where, position, max_length, num_layers)
         self.vocab_size = vocab_size
         self.model_size = model_size
         self.position = position
@@ -322,13 +340,7 @@ class TransformerLM(Module):
             dtype=dtype,
             param_dtype=param_dtype,
         )
-        self.pos: Module | None = None
-        if position == "learned":
-            self.pos = LearnedPositionalEmbedding(
-                graph.child("pos"), max_length, rng, param_dtype=param_dtype
-            )
-        elif position == "sinusoidal":
-            self.pos = SinusoidalPositionalEncoding(graph.child("pos"))
+        self.pos = _position_module(graph, position, max_length, rng, param_dtype)
         self.dropout = Dropout(graph.child("dropout"), dropout_rate, rng)
         self.blocks = [
             TransformerBlock(

@@ -254,18 +254,7 @@ def accumulate_microbatches(
         # Summed over microbatches and shards in reduce_dtype (f32 for bf16 gradients).
         grads = to_reduce_dtype(clean_grads(grads), reduce_dtype)
         if w is not None:
-            # A weight-0 microbatch (all padding) contributes nothing of its own: the
-            # `where` in `inner` sends its loss a zero cotangent, but an unguarded
-            # masked mean (0/0) turns that into NaN in the backward, so non-finite
-            # entries are dropped here. Finite ones stay: they are zero, except what a
-            # collective in the loss (a global term over every shard, e.g. an MoE's
-            # balancing loss) sends this shard from the others.
-            zero = lambda g: jnp.where((w > 0) | jnp.isfinite(g), g, jnp.zeros((), g.dtype))  # noqa: E731
-            values = tuple(
-                g if key in reduced_inside else zero(g)
-                for key, g in zip(grads.keys(), grads.leaves(), strict=True)
-            )
-            grads = grads.with_leaves(values)
+            grads = _drop_nonfinite_of_weight0(grads, w, reduced_inside)
         if w is None:
             terms = (
                 loss / jnp.asarray(k * size, loss.dtype),
@@ -279,30 +268,50 @@ def accumulate_microbatches(
         return (grads, terms, w), new_nt
 
     if k == 1:
-        sums, rest = one(rest, batch)
-    else:
-        micro = split_batch(batch, k, where=where)
-        first = jax.tree.map(lambda x: x[0], micro)
-        # Carry types: state that comes out varying over the axis must go in varying.
-        for _ in range(3):
-            out = jax.eval_shape(one, rest, first)
-            promote = jax.tree.map(
-                lambda r, o: bool(varying_axes(o) - varying_axes(r)), rest, out[1]
-            )
-            if not any(jax.tree.leaves(promote)):
-                break
-            rest = jax.tree.map(lambda r, p: _to_varying(r, names) if p else r, rest, promote)
-        zeros = jax.tree.map(
-            lambda s: _to_varying(jnp.zeros(s.shape, s.dtype), tuple(varying_axes(s))),
-            out[0],
-        )
+        return one(rest, batch)
+    return _scan_microbatches(one, rest, split_batch(batch, k, where=where), names)
 
-        def body(carry, mb):
-            acc, nt = carry
-            new, nt = one(nt, mb)
-            return (jax.tree.map(jnp.add, acc, new), nt), None
 
-        (sums, rest), _ = jax.lax.scan(body, (zeros, rest), micro)
+def _drop_nonfinite_of_weight0(grads: Params, w: jax.Array, reduced_inside: frozenset) -> Params:
+    """A weight-0 microbatch (all padding) contributes nothing of its own: the loss's
+    ``where`` sends it a zero cotangent, but an unguarded masked mean (0/0) turns that
+    into NaN in the backward, so non-finite entries are dropped. Finite ones stay: they
+    are zero, except what a collective in the loss (a global term over every shard, e.g.
+    an MoE's balancing loss) sends this shard from the others. Paths in
+    `reduced_inside` (already summed over the axis in the backward) are kept whole."""
+
+    def zero(g):
+        return jnp.where((w > 0) | jnp.isfinite(g), g, jnp.zeros((), g.dtype))
+
+    values = tuple(
+        g if key in reduced_inside else zero(g)
+        for key, g in zip(grads.keys(), grads.leaves(), strict=True)
+    )
+    return grads.with_leaves(values)
+
+
+def _scan_microbatches(one: Callable, rest: Params, micro: Any, names: tuple[str, ...]):
+    """``lax.scan`` of ``one(state, microbatch) -> (sums, state)`` over the stacked
+    microbatches `micro`, summing the sums and threading the state in order."""
+    first = jax.tree.map(lambda x: x[0], micro)
+    # Carry types: state that comes out varying over the axis must go in varying.
+    for _ in range(3):
+        out = jax.eval_shape(one, rest, first)
+        promote = jax.tree.map(lambda r, o: bool(varying_axes(o) - varying_axes(r)), rest, out[1])
+        if not any(jax.tree.leaves(promote)):
+            break
+        rest = jax.tree.map(lambda r, p: _to_varying(r, names) if p else r, rest, promote)
+    zeros = jax.tree.map(
+        lambda s: _to_varying(jnp.zeros(s.shape, s.dtype), tuple(varying_axes(s))),
+        out[0],
+    )
+
+    def body(carry, mb):
+        acc, nt = carry
+        new, nt = one(nt, mb)
+        return (jax.tree.map(jnp.add, acc, new), nt), None
+
+    (sums, rest), _ = jax.lax.scan(body, (zeros, rest), micro)
     return sums, rest
 
 

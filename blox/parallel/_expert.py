@@ -428,6 +428,25 @@ def _psum(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.lax.psum(tree, axes if len(axes) > 1 else axes[0])
 
 
+def _ep_gather(kp: Any, v: jax.Array, shards: dict) -> jax.Array:
+    """A trainable leaf gathered whole where it is an FSDP shard (`shards`: path ->
+    (axis, dim)), else unchanged."""
+    hit = shards.get(kp[0].key)
+    return v if hit is None else jax.lax.all_gather(v, hit[0], axis=hit[1], tiled=True)
+
+
+def _ep_reduce_sharded(
+    kp: Any, g: jax.Array, shards: dict, names: tuple, data: tuple, pattern: re.Pattern
+) -> jax.Array:
+    """An FSDP leaf's gradient: summed over the batch axes it is not split over (the data
+    axes only for an expert kernel, matched by `pattern`), reduce-scattered over the one
+    it is."""
+    axis, dim = shards[kp[0].key]
+    over = data if pattern.search(kp[0].key) else names
+    g = _psum(g, tuple(a for a in over if a != axis))
+    return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+
+
 def ep_value_and_grad(
     loss_fn: Callable[..., Any],
     *,
@@ -535,14 +554,6 @@ def ep_value_and_grad(
     def is_expert(path: Path, _: Any = None) -> bool:
         return pattern.search(format_path(path)) is not None
 
-    def reduce_sharded(kp: Any, g: jax.Array, shards: dict, names: tuple) -> jax.Array:
-        """An FSDP leaf's gradient: summed over the batch axes it is not split over,
-        reduce-scattered over the one it is."""
-        axis, dim = shards[kp[0].key]
-        over = data if pattern.search(kp[0].key) else names
-        g = _psum(g, tuple(a for a in over if a != axis))
-        return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
-
     def f(params: Params, *batch: Any):
         names = check_axis(data + (expert,), where)
         if not check_vma_enabled():
@@ -557,15 +568,16 @@ def ep_value_and_grad(
         experts = frozenset(key for key in trainable.keys() if is_expert(key))
         shards = _fsdp_shards(specs, trainable, rest, data, where)
 
-        def gather(kp, v):
-            hit = shards.get(kp[0].key)
-            return v if hit is None else jax.lax.all_gather(v, hit[0], axis=hit[1], tiled=True)
-
         # Local gradients: every leaf varies over every axis, so autodiff inserts no
         # reduction; the reductions below are the only ones.
         sums, rest = accumulate_microbatches(
             loss_fn,
-            _to_varying(jax.tree_util.tree_map_with_path(gather, trainable), names),
+            _to_varying(
+                jax.tree_util.tree_map_with_path(
+                    functools.partial(_ep_gather, shards=shards), trainable
+                ),
+                names,
+            ),
             rest,
             batch,
             k=microbatches,
@@ -582,9 +594,10 @@ def ep_value_and_grad(
         sharded, grads = grads.split(lambda key, _: format_path(key) in shards)
         mine, shared = grads.split(is_expert)
         shared, loss, aux, w = _psum((shared, loss, aux, w), names)
-        sharded = jax.tree_util.tree_map_with_path(
-            functools.partial(reduce_sharded, shards=shards, names=names), sharded
+        reduce = functools.partial(
+            _ep_reduce_sharded, shards=shards, names=names, data=data, pattern=pattern
         )
+        sharded = jax.tree_util.tree_map_with_path(reduce, sharded)
         grads = _psum(mine, data).merge(shared).merge(sharded)
         if w is not None:
             one = jnp.where(w > 0, w, jnp.ones((), w.dtype))
