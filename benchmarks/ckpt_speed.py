@@ -249,15 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         "returns once the arrays are copied to host memory, and a background thread writes "
         "them. Restore reads every array into the target's shardings and checks it against "
         'the checksum saved with it; "until committed" includes computing those checksums '
-        "(one program for all leaves, dispatched after the host copy, so an async save "
-        "does not wait for them).",
+        "(summed in the commit thread, so an async save does not wait for them).",
         "",
         "First save of a manager, blocked time (ms), median of "
         f"{repeats} fresh managers per row (new shapes each), with the checksums started "
-        "`now` (no copy and no compilation in `save`: the first save copies each leaf "
-        "asynchronously to host memory (on CPU: keeps a NumPy view), summed in the commit "
-        "thread, while one program "
-        "for all leaves compiles in a background thread; later saves dispatch it), "
+        "`now` (no copy, no compilation and on CPU no dispatch in `save`: every save keeps "
+        "a NumPy view of each leaf, summed in the commit thread; on an accelerator the "
+        "first save copies each leaf asynchronously to host memory while one program for "
+        "all leaves compiles in a background thread, and later saves dispatch it), "
         "`before` (leaves up to 1 MiB copied to the host and summed in `save`, the "
         "others summed by a program compiled in `save`) and `off` (no checksums):",
         "",

@@ -16,15 +16,18 @@ reduction order) gives the same sums. One changed word always changes both sums;
 changes would have to cancel in both at once. Up to 32 bits a word is an element, so the
 sums of those dtypes are the ones earlier versions wrote.
 
-A save never waits for the sums (`Checksummer`): once a program summing every leaf of a
-state layout is compiled (in a background thread, during the first save of that layout),
-each save dispatches it, one program for all leaves, and the commit thread reads the
-results. Until then (the first save) each leaf is copied asynchronously to host memory and
-the commit thread sums the copies with NumPy, shard by shard, with the same arithmetic.
+A save never waits for the sums (`Checksummer`). On CPU devices every save keeps a NumPy
+view of each leaf (no copy, no program in the caller) and the commit thread sums the views,
+shard by shard, with a small compiled program per block shape. On accelerators the first
+save of a state layout copies each leaf asynchronously to host memory (summed the same way
+in the commit thread) while a program summing every leaf compiles in a background thread;
+later saves dispatch that program, one for all leaves, and the commit thread reads the
+results.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -39,9 +42,6 @@ __all__: list[str] = []
 # On restore, leaves up to this size are summed on the host: copying them costs less than
 # compiling the device program.
 HOST_BYTES = 2**20
-
-# Snapshots are summed this many elements at a time (bounds the NumPy temporaries).
-_PART_ELEMENTS = 2**22
 
 _K1, _K2, _K3 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35
 _UNSIGNED = {2: jnp.uint2, 4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}
@@ -141,22 +141,69 @@ def _host_sums(x: Any) -> tuple[int, int]:
     return _mix(b, np.arange(b.size, dtype=np.uint64).astype(np.uint32))
 
 
+def _word_view(x: np.ndarray) -> tuple[np.ndarray, int]:
+    """The element bits of `x` as unsigned integers, without a copy when `x` is
+    contiguous: shape ``x.shape + (k,)``, the ``k`` words of an element in the order of
+    `_device_words` (uint8/uint16 ones widen to 32 bits in `_block_sums`); and the bits of
+    a type narrower than its byte (0: every bit counts)."""
+    x = np.ascontiguousarray(x)
+    if x.dtype == np.bool_:
+        return x.view(np.uint8)[..., None], 0
+    y = x[..., None]
+    if x.dtype.kind == "c":  # the real part, then the imaginary part
+        y = y.view(np.float32 if x.dtype.itemsize == 8 else np.float64)
+    bits = _bits_of(y.dtype)
+    if bits == 64:
+        return y.view(np.uint32), 0  # two words, the low one first
+    return y.view(_NP_UNSIGNED[y.dtype.itemsize]), (bits if bits < 8 else 0)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "bits"))
+def _block_sums(words: jax.Array, starts: jax.Array, shape: tuple, bits: int) -> jax.Array:
+    """`_sums` of the block of an array of `shape` whose first element sits at `starts`
+    (uint32, one per dimension), from its `_word_view`: its words at their flat word
+    indices in the whole array (the sums of the blocks of a tiling add up, modulo 2**32,
+    to the array's). Only unsigned integers of up to 32 bits come in, so the program is
+    the same whatever the caller's x64 setting."""
+    b = words.astype(jnp.uint32)
+    if bits:
+        b = b & np.uint32((1 << bits) - 1)
+    index = jnp.zeros(b.shape, jnp.uint32)  # the element's flat index in the whole array
+    stride = 1
+    for dim in range(len(shape) - 1, -1, -1):
+        at = jax.lax.broadcasted_iota(jnp.uint32, b.shape, dim) + starts[dim]
+        index = index + at * np.uint32(stride % 2**32)
+        stride *= shape[dim]
+    k = b.shape[-1]
+    i = index * np.uint32(k) + jax.lax.broadcasted_iota(jnp.uint32, b.shape, b.ndim - 1)
+    h1 = b * (i * np.uint32(2) + np.uint32(1))
+    h2 = (b ^ (i * np.uint32(_K1))) * np.uint32(_K2) + (i * np.uint32(_K3))
+    return jnp.stack([jnp.sum(h1, dtype=jnp.uint32), jnp.sum(h2, dtype=jnp.uint32)])
+
+
 def _part_sums(
     part: np.ndarray, starts: tuple[int, ...], shape: tuple[int, ...]
 ) -> tuple[int, int]:
-    """The sums of the block `part` of an array of `shape` whose first element sits at
-    `starts`: its words at their flat word indices in the whole array (the sums of the
-    blocks of a tiling add up, modulo 2**32, to the array's). Summed `_PART_ELEMENTS` at
-    a time (rows of the first axis), so the temporaries stay small."""
+    """The sums of the block `part` (host memory) of an array of `shape` whose first
+    element sits at `starts`: its words at their flat word indices in the whole array
+    (the sums of the blocks of a tiling add up, modulo 2**32, to the array's). Blocks up
+    to `HOST_BYTES` with NumPy, larger ones on a CPU device (`_block_sums`: one fused
+    pass, compiled once per block shape)."""
     if part.size == 0:
         return 0, 0
-    if part.ndim and part.size > _PART_ELEMENTS and part.shape[0] > 1:
-        rows = max(1, _PART_ELEMENTS // (part.size // part.shape[0]))
-        a = b = 0
-        for r in range(0, part.shape[0], rows):
-            pa, pb = _part_sums(part[r : r + rows], (starts[0] + r, *starts[1:]), shape)
-            a, b = (a + pa) % 2**32, (b + pb) % 2**32
-        return a, b
+    if part.nbytes <= HOST_BYTES:
+        return _numpy_part_sums(part, starts, shape)
+    words, bits = _word_view(np.asarray(part))
+    cpu = jax.local_devices(backend="cpu")[0]
+    at = np.asarray(starts, np.uint32).reshape(len(shape))
+    a, b = _block_sums(jax.device_put(words, cpu), jax.device_put(at, cpu), tuple(shape), bits)
+    return int(a), int(b)
+
+
+def _numpy_part_sums(
+    part: np.ndarray, starts: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[int, int]:
+    """`_part_sums` with NumPy (its temporaries are several times the block's size)."""
     b = _host_words(part)
     words = b.size // part.size  # per element
     index = np.zeros(part.shape, np.uint64)  # the element's flat index in the whole array
@@ -194,7 +241,9 @@ class _Snapshot:
 
     def __init__(self, x: jax.Array):
         self.shape, self.dtype = tuple(x.shape), np.dtype(x.dtype)
-        if x.is_fully_replicated:  # one copy of the whole array
+        if len(x.sharding.device_set) == 1:
+            blocks = [((0,) * x.ndim, x)]
+        elif x.is_fully_replicated:  # one copy of the whole array
             blocks = [((0,) * x.ndim, x.addressable_data(0))]
         else:
             blocks = [
@@ -264,14 +313,16 @@ class Checksummer:
     """Starts the checksums of the states a `CheckpointManager` saves, without making the
     caller wait for a copy or a compilation.
 
-    Per state layout (the leaves' shapes, dtypes and shardings) one program sums every
-    array leaf (one per set of devices, when leaves are committed to different ones). It
-    is compiled in a background thread started by the first save of that layout. A save
-    whose program is compiled dispatches it (asynchronous; the commit thread reads the
-    results); until then (the first save) each leaf is copied asynchronously to host
-    memory (one replica of each shard; on CPU a view, see `_Snapshot`) and the commit
-    thread sums the copies with NumPy. Both are safe against the arrays being donated
-    right after `save`. When the leaves
+    On CPU devices every save takes a NumPy view of each leaf (one replica of each shard;
+    see `_Snapshot`) and the commit thread sums the views (`_part_sums`): the caller
+    neither copies nor dispatches. On accelerators, per state layout (the leaves' shapes,
+    dtypes and shardings) one program sums every array leaf (one per set of devices, when
+    leaves are committed to different ones). It is compiled in a background thread
+    started by the first save of that layout. A save whose program is compiled
+    dispatches it (asynchronous; the commit thread reads the results); until then (the
+    first save) each leaf is copied asynchronously to host memory and the commit thread
+    sums the copies. Both are safe against the arrays being donated right after `save`.
+    When the leaves
     span several processes (each holds part of them) the program is compiled and
     dispatched by the caller, so that every process runs it in the same order; such a
     run's first save waits for the compilation.
@@ -295,14 +346,16 @@ class Checksummer:
         groups = _by_devices(arrays)
         keys = [tuple((jax.typeof(x), x.sharding if x.committed else None) for x in g.values())
                 for g in groups]  # fmt: skip
-        compiled = [self._compiled.get(k) for k in keys]
-        if all(c is not None and c.done() and c.exception() is None for c in compiled):
-            return _dispatch(done, groups)
         if not all(x.is_fully_addressable for x in arrays.values()) or not all(
             _host_memory(d) for x in arrays.values() for d in x.devices()
         ):
             return _dispatch(done, groups)  # compiles here, in the same order everywhere
         snapshots = {name: _Snapshot(x) for name, x in arrays.items()}
+        if _views_only(arrays):  # nothing to copy: no program either (see `_Snapshot`)
+            return PendingChecksums(done, snapshots=snapshots)
+        compiled = [self._compiled.get(k) for k in keys]
+        if all(c is not None and c.done() and c.exception() is None for c in compiled):
+            return _dispatch(done, groups)
         todo = [k for k, c in zip(keys, compiled, strict=True) if c is None]
         # The compilation starts once the sums are done, from the thread that waited for
         # them (Orbax's commit thread), so that the caller does not start a thread.
@@ -323,6 +376,13 @@ class Checksummer:
             compiling = list(self._compiled.values())
         for compiled in compiling:
             compiled.exception()
+
+
+def _views_only(arrays: dict[str, jax.Array]) -> bool:
+    """Whether every leaf lives on CPU devices, where a snapshot is a view of the buffer
+    (no copy), so that every save takes snapshots and dispatches nothing: a dispatch on
+    CPU costs the caller more than a view."""
+    return all(d.platform == "cpu" for x in arrays.values() for d in x.devices())
 
 
 def _by_devices(arrays: dict[str, jax.Array]) -> list[dict[str, jax.Array]]:
@@ -378,14 +438,14 @@ def _compile_in_background(key: Any, config: tuple[bool, str]) -> Future:
 def start_checksums(named_leaves: dict[str, Any]) -> PendingChecksums:
     """Starts the checksums of every leaf (restore's way: it compiles in the caller).
 
-    Large jax arrays are summed on their devices (one jitted call for all of them, the
-    result replicated), asynchronously: the call returns once the program is dispatched
+    Large jax arrays are summed on their devices (one jitted call for all of them per set
+    of devices they are committed to, the result replicated), asynchronously: the call returns once the program is dispatched
     (compiled on the first call for a state layout). Small ones (up to `HOST_BYTES`, when
     one process holds all of their values), NumPy arrays and Python numbers (as
     `PY_DTYPES`) are summed on the host now, with the same arithmetic.
     """
     done: dict[str, str] = {}
-    device_names, device_leaves = [], []
+    on_device: dict[str, jax.Array] = {}
     for name, leaf in named_leaves.items():
         if isinstance(leaf, (bool, int, float)):
             done[name] = host_checksum(leaf)
@@ -396,12 +456,12 @@ def start_checksums(named_leaves: dict[str, Any]) -> PendingChecksums:
                 host = leaf if leaf.is_fully_addressable else leaf.addressable_data(0)
                 done[name] = host_checksum(np.asarray(host))
             else:
-                device_names.append(name)
-                device_leaves.append(leaf)
+                on_device[name] = leaf
         elif isinstance(leaf, (np.ndarray, np.generic)):
             done[name] = host_checksum(np.asarray(leaf))
-    sums = list(_device_sums(device_leaves)) if device_leaves else []
-    return PendingChecksums(done, device_names, sums)
+    # one program per set of devices (leaves committed to different ones, e.g. an actor's
+    # and a learner's, cannot meet in one)
+    return _dispatch(done, _by_devices(on_device))
 
 
 def checksums(named_leaves: dict[str, Any]) -> dict[str, str]:

@@ -233,3 +233,31 @@ def test_eval_shape_recipe_with_rules_keeps_tp_and_trains(saved):
         )
         want = LOSS(jax.tree.map(jnp.asarray, host["params"]), jnp.asarray(x), jnp.asarray(y))[0]
     np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-6, atol=1e-6)
+
+
+def test_restore_checks_leaves_committed_to_different_devices(tmp_path):
+    """An actor/learner state: large leaves (above the 1 MiB summed on the host) sharded
+    over the whole mesh, on the learner's devices, on one actor device, and a small one.
+    Restore checks each group on its own devices (one program cannot take arrays
+    committed to different device sets) and returns the saved values in each target's
+    sharding; reference: the arrays saved."""
+    devices = jax.devices()
+    whole = NamedSharding(jax.make_mesh((8,), ("d",)), PartitionSpec("d"))
+    learner = NamedSharding(
+        jax.sharding.Mesh(np.asarray(devices[4:]), ("d",)), PartitionSpec(None, "d")
+    )
+    rs = np.random.default_rng(3)
+    big = lambda: rs.standard_normal((512, 640)).astype(np.float32)  # noqa: E731  1.25 MiB
+    state = {
+        "everywhere": jax.device_put(big(), whole),
+        "learner": jax.device_put(big(), learner),
+        "actor": jax.device_put(big(), devices[0]),
+        "actor_int": jax.device_put(rs.integers(0, 9, (600, 600)).astype(np.int32), devices[1]),
+        "small": jax.device_put(np.arange(5.0, dtype=np.float32), devices[2]),
+    }
+    with ckpt.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, state)
+    restored = ckpt.CheckpointManager(tmp_path).restore(state)
+    for name, x in state.items():
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(x), err_msg=name)
+        assert restored[name].sharding.is_equivalent_to(x.sharding, x.ndim), name

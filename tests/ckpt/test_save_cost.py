@@ -1,7 +1,9 @@
 """`save` starts the checksums without copying a leaf to the host or compiling in the
-caller's thread: the first save of a state layout copies the leaves asynchronously to host
-memory (summed in Orbax's commit thread) while one program for all leaves compiles in a
-background thread; later saves dispatch that program. The sums stay the documented ones.
+caller's thread: on CPU every save keeps views of the leaves (summed in Orbax's commit
+thread); on accelerators (here: CPU devices told otherwise) the first save of a state
+layout copies the leaves asynchronously to host memory while one program for all leaves
+compiles in a background thread, and later saves dispatch that program. The sums stay the
+documented ones.
 
 References: JAX's compilation events (``jax.monitoring``), with the thread that compiled;
 the host copies (``numpy.asarray`` of a jax array) and host sums that the saving thread
@@ -129,11 +131,9 @@ def test_save_neither_copies_nor_sums_nor_compiles_in_the_callers_thread(tmp_pat
                 "the caller's thread besides Orbax's copies"
             )
             mngr.wait()
-            mngr._checksums.wait()  # the program compiled after the first save
         mngr.close()
     finally:
         calls.close()
-    # The first save summed the snapshots, the later ones ran the program: the same sums.
     want = {name: _reference(np.asarray(x)) for name, x in state.items()}
     for step in (1, 2, 3):
         sums = json.loads((tmp_path / "blox" / str(step) / "blox" / "checksums.json").read_text())
@@ -142,13 +142,19 @@ def test_save_neither_copies_nor_sums_nor_compiles_in_the_callers_thread(tmp_pat
     np.testing.assert_array_equal(restored["big"], state["big"])
 
 
+@pytest.mark.parametrize("views_only", [True, False], ids=["cpu", "accelerator-way"])
 @pytest.mark.parametrize("x64", [False, True])
-def test_the_first_and_later_saves_write_the_documented_sums(tmp_path, monkeypatch, x64):
+def test_the_first_and_later_saves_write_the_documented_sums(
+    tmp_path, monkeypatch, x64, views_only
+):
     """Sharded, replicated and single-device leaves of several dtypes: the first save (host
-    snapshots, summed shard by shard, here 10 elements at a time) and a later one (the
-    compiled program, under the same x64 setting as the caller) write the checksum of the
-    Python-integer reference."""
-    monkeypatch.setattr(_checksum, "_PART_ELEMENTS", 10)
+    snapshots, summed shard by shard) and a later one (snapshots again on CPU; the
+    accelerators' way, the compiled program under the same x64 setting as the caller)
+    write the checksum of the Python-integer reference. The CPU case sums every block
+    with the compiled block program (as blocks above 1 MiB are), the other with NumPy."""
+    monkeypatch.setattr(_checksum, "_views_only", lambda arrays: views_only)
+    if views_only:
+        monkeypatch.setattr(_checksum, "HOST_BYTES", 0)
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     rs = np.random.default_rng(1)
     dtypes = ["float32", "bfloat16", "int8", "bool", "complex64"]
