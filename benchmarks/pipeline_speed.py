@@ -26,7 +26,9 @@ precision).
 
 ``--json FILE`` also writes one record per schedule and m: ``schedule``, ``m``,
 ``step_s_per_microbatch``, ``temp_bytes``, ``table_idle`` (the table with B = 2 F, or
-F = B = W for ``zb`` and ``zbv``), ``busy_fraction`` (from the measured cells), and the slowest
+F = B = W for ``zb`` and ``zbv``), ``busy_fraction`` (from the measured cells, each
+``ppermute`` holding its two ends), ``busy_fraction_slot_bound`` (the same, every slot
+as long as its slowest cell), and the slowest
 stage's cells in seconds: ``cell_f_s``, ``cell_b_s`` / ``cell_w_s`` (the runtime's own
 split backward's B and W, measured from the stash; null without a split) and
 ``cell_backward_s`` (the same stage's fused backward, the reference for B + W).
@@ -39,18 +41,20 @@ m = 4, which the runtime keeps flat), the compiled temp bytes
 (``jax.jit(step).lower(...).compile().memory_analysis().temp_size_in_bytes``), the
 compiled program's ``copy`` count, and the idle fraction three ways: (p - 1)/(m + p - 1);
 from the schedule table with a backward of two forwards (``Schedule.idle_fraction(1, 2)``);
-and *busy-time weighted*: the measured time of each cell the runtime runs, on one
-microbatch, one device, alone, jitted from the runtime's own code (`runtime_cells`: a
+and from the measured time of each cell the runtime runs, on one microbatch, one
+device, inside one jitted loop (no dispatch per cell), from the runtime's own code
+(`runtime_cells`: a
 forward; the last stage's forward also differentiates ``last_fn``; the whole backward;
 stage 0's backward also recomputes and differentiates ``first_fn``; for ZB-H1 and ZB-V
 the input-gradient B and the weight-gradient W apart; for the interleaved schedule and
 ZB-V the cells of a one-block chunk; all cells timed interleaved, min over repeats)
 placed in the table's cells (``Schedule.idle_fraction(forward=..., backward=...,
-weight=...)``, one cost per virtual stage); the runtime is slot-synchronous
-(a ``ppermute`` closes every slot), so a slot lasts as long as its busiest stage (the sum
-of its cell's actions) and idle = 1 - sum(busy) / (p x sum of the slot lengths). The
-busy fraction is 1 - idle. The plots (temp memory and time per microbatch vs m; the busy
-fraction vs m) go to ``docs/img/pipeline_memory.png`` and ``docs/img/pipeline_busy.png``.
+weight=..., sync=...)``, one cost per virtual stage): with ``sync='pairs'`` each
+``ppermute`` pair waits for both its ends (the runtime's synchronisation), with
+``'slot'`` every slot lasts as long as its busiest stage (the bound); idle = 1 -
+sum(busy) / (p x the step's length). The busy fraction is 1 - idle. The plots (temp
+memory and time per microbatch vs m; the busy fraction vs m) go to
+``docs/img/pipeline_memory.png`` and ``docs/img/pipeline_busy.png``.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _timing import Contender, CountArgs, Pair, log  # noqa: E402
+from jax import lax  # noqa: E402
 
 import blox as bx  # noqa: E402
 from blox import parallel as bp  # noqa: E402
@@ -83,6 +88,7 @@ SCHEDULES = ("gpipe", "1f1b", "1f1b-2f", "interleaved", "zb", "zbv")
 V_CHUNKS = 2  # the interleaved schedule's chunks per device
 BLOCKS = V_CHUNKS * P_STAGES  # residual MLP blocks in all: 2 per stage, 1 per chunk
 STYLES = ("o-", "s-", "d-", "v-", "x-", "*-")  # plot markers, one per schedule
+SYNCS = ("slot", "pairs")  # the two ways `Schedule.idle_fraction` lines the slots up
 
 
 def _virtual(name: str) -> int:
@@ -257,37 +263,64 @@ def runtime_cells(first_fn, stage_fn, last_fn, shared, stage, rows, number, repe
         d_h, values = pl._backward_input(sb, r, q, ct)
         return through_first(pos, tr_sh, d_h), [values[i] for i in computed]
 
-    w = jax.jit(lambda q, kept: pl._backward_weight(sb, q, kept))
-    calls = {}
+    w = lambda q, kept: pl._backward_weight(sb, q, kept)  # noqa: E731
+    cells = {}
     for pos in POSITIONS:
-        f = jax.jit(functools.partial(forward, pos))
-        bw = jax.jit(functools.partial(whole, pos))
-        bi = jax.jit(functools.partial(backward_input, pos))
-        calls[pos, "F"] = lambda f=f: jax.block_until_ready(f(tr, tr_sh, h))
-        calls[pos, "backward"] = lambda f=bw: jax.block_until_ready(f(res, pres, h, tr_sh))
-        calls[pos, "B"] = lambda f=bi: jax.block_until_ready(f(res, pres, h, tr_sh))
-    calls["W"] = lambda: jax.block_until_ready(w(pres, kept))
+        cells[pos, "F"] = (functools.partial(forward, pos), (tr, tr_sh, h))
+        cells[pos, "backward"] = (functools.partial(whole, pos), (res, pres, h, tr_sh))
+        cells[pos, "B"] = (functools.partial(backward_input, pos), (res, pres, h, tr_sh))
+    cells["W"] = (w, (pres, kept))
+    calls = {
+        (key, k): in_loop(cell, args, k)
+        for key, (cell, args) in cells.items()
+        for k in LOOP_TRIPS
+    }  # fmt: skip
     for c in calls.values():
         c()
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeat):
         for key, c in calls.items():
             best[key] = min(best[key], _timing.per_call_us(c, number, 1) * 1e-6)
+    (k1, k2) = LOOP_TRIPS
+    per = {key: (best[key, k2] - best[key, k1]) / (k2 - k1) for key in cells}
     return {
-        pos: {**{k: best[pos, k] for k in ("F", "backward", "B")}, "W": best["W"]}
+        pos: {**{k: per[pos, k] for k in ("F", "backward", "B")}, "W": per["W"]}
         for pos in POSITIONS
     }
 
 
-def weighted_idle(schedule, cells) -> float:
+LOOP_TRIPS = (2, 10)  # the two loop lengths `in_loop` times; a cell = the difference / 8
+
+
+def in_loop(cell, args, trips: int):
+    """A call of one jitted loop that runs ``cell(*args)`` `trips` times, as the
+    runtime's scan runs its cells: no dispatch per cell. Each trip's operands pass an
+    ``optimization_barrier`` with a counter the loop carries, so that XLA hoists nothing out of the
+    loop; the last trip's outputs are returned (and so computed on every trip)."""
+
+    def loop(args):
+        def body(_, carry):
+            a, c = lax.optimization_barrier((args, carry[0]))
+            return c + 1.0, cell(*a)
+
+        out = jax.tree.map(jnp.zeros_like, jax.eval_shape(cell, *args))
+        return lax.fori_loop(0, trips, body, (jnp.float32(0), out))
+
+    f = jax.jit(loop)
+    return lambda: jax.block_until_ready(f(args))
+
+
+def weighted_idle(schedule, cells, sync: str) -> float:
     """`Schedule.idle_fraction` with the measured cells (`runtime_cells`), one cost per
-    virtual stage: stage 0 ``'first'``, the last ``'last'``, the others ``'mid'``."""
+    virtual stage: stage 0 ``'first'``, the last ``'last'``, the others ``'mid'``; `sync`
+    as there (``'pairs'``: a ``ppermute`` holds only its two ends; ``'slot'``: the bound
+    where every slot lasts as long as its slowest cell)."""
     n = schedule.num_stages * schedule.virtual_stages
     kinds = ["first"] + ["mid"] * (n - 2) + ["last"]
     cost = lambda key: [1e6 * cells[k][key] for k in kinds]  # noqa: E731
     if schedule.split_backward:
-        return schedule.idle_fraction(cost("F"), cost("B"), cost("W"))
-    return schedule.idle_fraction(cost("F"), cost("backward"), 0.0)
+        return schedule.idle_fraction(cost("F"), cost("B"), cost("W"), sync=sync)
+    return schedule.idle_fraction(cost("F"), cost("backward"), 0.0, sync=sync)
 
 
 def save_plot(ms, mem, per_mb, path):
@@ -328,13 +361,13 @@ def save_busy_plot(ms, idle, path):
     ax.plot(ms, [1 - (P_STAGES - 1) / (m + P_STAGES - 1) for m in ms], "k--",
             label="textbook 1 - (p-1)/(m+p-1)")  # fmt: skip
     for name, style in zip(SCHEDULES, STYLES, strict=True):
-        ax.plot(ms, [1 - idle[name, m][1] for m in ms], style, label=f"{name} (measured cells)")
+        ax.plot(ms, [1 - idle[name, m][2] for m in ms], style, label=f"{name} (measured cells)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.set_xlabel("microbatches m")
     ax.set_ylabel("busy fraction")
     ax.set_ylim(0, 1)
-    ax.set_title(f"p = {P_STAGES}: busy fraction of the slot-synchronous runtime")
+    ax.set_title(f"p = {P_STAGES}: busy fraction from the measured cells")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -419,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                     if sched.split_backward
                     else sched.idle_fraction(1.0, 2.0)
                 )
-                idle[name, m] = (table_idle, weighted_idle(sched, cells[v]))
+                idle[name, m] = (table_idle, *(weighted_idle(sched, cells[v], k) for k in SYNCS))
                 contenders.append(
                     Contender(
                         f"{name} m={m}", lambda fn=fn, p=params, x=x, y=y: fn(p, shared, x, y)[0]
@@ -454,14 +487,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{pr.median_ratio:.2f}x", f"{mem[n, m]:,}", f"{mem['sequential', m]:,}",
                 f"{mem[n, m] / mem[n, ms[0]]:.2f}", f"{mem[n, m] / mem['1f1b', m]:.2f}",
                 copies[n, m], f"{theory:.3f}",
-                f"{idle[n, m][0]:.3f}", f"{idle[n, m][1]:.3f}", f"{1 - idle[n, m][1]:.3f}",
+                f"{idle[n, m][0]:.3f}", f"{idle[n, m][1]:.3f}", f"{idle[n, m][2]:.3f}",
+                f"{1 - idle[n, m][2]:.3f}",
             ])  # fmt: skip
             log(" | ".join(str(c) for c in rows_out[-1]))
     busy_rows = []
     for m in ms:
         busy_rows.append([
             m, f"{1 - (P_STAGES - 1) / (m + P_STAGES - 1):.3f}",
-            *(f"{1 - idle[n, m][1]:.3f}" for n in SCHEDULES),
+            *(f"{1 - idle[n, m][2]:.3f} ({1 - idle[n, m][1]:.3f})" for n in SCHEDULES),
             f"{ratio[f'packed m={m}'].median_ratio:.2f}x",
             f"{ratio[f'interleaved vs 1f1b m={m}'].median_ratio:.2f}x",
             f"{ratio[f'zb vs 1f1b m={m}'].median_ratio:.2f}x",
@@ -478,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
               "ratio to sequential (median)", "temp bytes", "sequential temp bytes",
               f"temp / temp(m={ms[0]})", "temp / 1f1b temp", "copy ops", "(p-1)/(m+p-1)",
               "idle, table (B = 2 F)",
-              "idle, busy-time weighted", "busy fraction (model)"]  # fmt: skip
+              "idle, measured cells, slot bound", "idle, measured cells, pairs",
+              "busy fraction (pairs)"]  # fmt: skip
     b = {v: {k: " / ".join(f"{1e6 * cv[k][c]:.0f}" for c in ("F", "backward", "B", "W"))
              for k in POSITIONS} for v, cv in cells.items()}  # fmt: skip
     lines = [
@@ -509,16 +544,20 @@ def main(argv: list[str] | None = None) -> int:
             "interleaved in a random order per cycle",
             "m = 8 and 32 only, fewer rounds and calls" if args.quick else None,
         ),  # fmt: skip
-        "- Measured busy time of the runtime's cells on one microbatch, each jitted alone "
-        "(one dispatch each, about 25 us here), F / whole backward / B (input part) / W "
+        "- Measured busy time of the runtime's cells on one microbatch, each run inside "
+        "one jitted loop as the runtime's scan runs it (no dispatch per cell: the time of "
+        f"a loop of {LOOP_TRIPS[1]} trips less one of {LOOP_TRIPS[0]}, over the difference; "
+        "min over rounds), F / whole backward / B (input part) / W "
         "(weight part), us (stage 0's backward and B recompute and differentiate the "
         "embedding, the last stage's forward differentiates the head and loss): a stage of "
         f"two blocks: first {b[1]['first']}, middle {b[1]['mid']}, last {b[1]['last']}; a "
         f"chunk of one block: first {b[V_CHUNKS]['first']}, middle {b[V_CHUNKS]['mid']}, "
         f"last {b[V_CHUNKS]['last']}.",
         "",
-        "Busy fraction (1 - idle) of the slot-synchronous runtime, from the measured cell "
-        "times placed in each schedule's table (see below), next to the textbook "
+        "Busy fraction (1 - idle) of the runtime, from the measured cell times placed in "
+        "each schedule's table, with each `ppermute` holding only its two ends (in "
+        "parentheses: the slot bound, every slot as long as its slowest cell; see below), "
+        "next to the textbook "
         "1 - (p-1)/(m+p-1); and the measured step times of `1f1b-2f`, `interleaved`, `zb` "
         "and `zbv` over plain `1f1b` (median over rounds of the same-round ratio):",
         "",
@@ -545,13 +584,16 @@ def main(argv: list[str] | None = None) -> int:
         "for plain 1F1B, whose slots pair a forward on one stage with a backward on the "
         "next; for `zb` and `zbv` B = W = 1, `idle_fraction(1, 1, 1)`; `interleaved` and "
         "`zbv` count chunk cells); "
-        "*busy-time weighted* puts the measured forward / backward times above into the "
-        "table's cells and, since every slot ends with a `ppermute` (slot-synchronous), lets "
-        "each slot last as long as its slowest cell: idle = 1 - sum(busy) / (p x sum of the "
-        "slot lengths), a slot's length being the largest sum of the times of the actions "
-        "one stage runs in it (two forwards in a `1f1b-2f` slot). It differs from the count "
-        "where forwards and backwards, or the first, middle and last stages, take different "
-        "times (a stage waits in a slot for the busiest one). It is a model built from "
+        "*measured cells* put the measured forward / backward times above into the "
+        "table's cells (a cell lasts the sum of the times of its actions: two forwards in a "
+        "`1f1b-2f` slot) and idle = 1 - sum(busy) / (p x the step's length), where "
+        "`Schedule.idle_fraction(..., sync=...)` lines the devices up in one of two ways. "
+        "*pairs* (the runtime's own synchronisation): a slot's sends are `ppermute`s over "
+        "the pairs that send, each pair waits for both its ends, and a device without a "
+        "transfer in a slot goes straight on. *slot bound*: every slot lasts as long as its "
+        "slowest cell, as if each ended with a barrier (the pessimistic bound). Both differ "
+        "from the count where forwards and backwards, or the first, middle and last stages, "
+        "take different times. It is a model built from "
         "measured times, not a wall-clock measurement: the 8 simulated devices share this "
         "machine's cores, so the pipelines' step times do not show the stages running in "
         "parallel and their ratio to the sequential model is the runtime's overhead (scan, "
@@ -604,7 +646,8 @@ def write_json(path, ms, us, mem, idle, cells) -> None:
             out.append({
                 "schedule": n, "m": m, "step_s_per_microbatch": us[f"{n} m={m}"] * 1e-6 / m,
                 "temp_bytes": mem[n, m], "table_idle": idle[n, m][0],
-                "busy_fraction": 1 - idle[n, m][1], **slowest_cells(n, cells),
+                "busy_fraction": 1 - idle[n, m][2],
+                "busy_fraction_slot_bound": 1 - idle[n, m][1], **slowest_cells(n, cells),
             })  # fmt: skip
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

@@ -178,6 +178,7 @@ def _cell_actions(c: Action | tuple[Action, ...] | None) -> tuple[Action, ...]:
 
 
 PLACEMENTS = ("loop", "v")
+SYNCS = ("slot", "pairs")  # how `Schedule.idle_fraction` lines up the devices' slots
 
 
 def _virtual_stage(placement: str, p: int, device: int, chunk: int) -> int:
@@ -335,7 +336,11 @@ class Schedule:
         """The number of idle cells (stage x slot) in the table."""
         return sum(c is None for row in self.table for c in row)
 
-    def _busy_span(self, forward: Any, backward: Any, weight: Any) -> tuple[float, float]:
+    def _busy_span(
+        self, forward: Any, backward: Any, weight: Any, sync: str = "slot"
+    ) -> tuple[float, float]:
+        if sync not in SYNCS:
+            raise ValueError(f"sync={sync!r}: use one of {SYNCS}")
         p, v = self.num_stages, self.virtual_stages
         cost = {
             "F": _per_stage(forward, p, v, "forward", self.placement),
@@ -343,6 +348,7 @@ class Schedule:
             "W": _per_stage(weight, p, v, "weight", self.placement),
         }
         busy = span = 0.0
+        start = np.zeros(p)  # sync='pairs': when each device starts the slot
         for row in self.table:
             loads = [
                 sum(cost[a.kind][self.virtual_stage(s, a.chunk)] for a in _cell_actions(c))
@@ -350,14 +356,37 @@ class Schedule:
             ]
             busy += sum(loads)
             span += max(loads)
-        return busy, span
+            end = start + np.asarray(loads)
+            start = end.copy()
+            for a, b in self._transfers(row):  # both ends of a transfer wait for each other
+                start[a] = max(start[a], end[b])
+                start[b] = max(start[b], end[a])
+        return busy, (span if sync == "slot" else float(start.max()))
+
+    def _transfers(self, row: tuple) -> list[tuple[int, int]]:
+        """The ``(src, dst)`` devices of one slot's sends (F: to the next virtual stage's
+        device, B: to the previous one's)."""
+        last = self.num_stages * self.virtual_stages - 1
+        out = []
+        for s, c in enumerate(row):
+            for a in _cell_actions(c):
+                vs = self.virtual_stage(s, a.chunk)
+                if a.kind == "F" and vs < last:
+                    out.append((s, self.device_of(vs + 1)[0]))
+                elif a.kind == "B" and vs > 0:
+                    out.append((s, self.device_of(vs - 1)[0]))
+        return out
 
     def idle_fraction(
-        self, forward: float | Any = 1.0, backward: float | Any = 1.0, weight: float | Any = 1.0
+        self,
+        forward: float | Any = 1.0,
+        backward: float | Any = 1.0,
+        weight: float | Any = 1.0,
+        *,
+        sync: str = "slot",
     ) -> float:
-        """The idle fraction of the slot-synchronous runtime: every slot lasts as long as
-        its busiest stage (the sum of its cell's action costs), and idle = 1 - sum of the
-        busy times / (p x sum of the slot lengths).
+        """The idle fraction of the runtime following this table with the given cell
+        costs: idle = 1 - sum of the busy times / (p x the step's length).
 
         Args:
           forward: the cost of an F: one number, one per stage (device; every chunk of a
@@ -365,6 +394,12 @@ class Schedule:
           backward: the cost of a B (the whole backward, or in a split table its
             input-gradient part), as `forward`.
           weight: the cost of a W (split tables), as `forward`.
+          sync: how the slots of the devices line up. ``'slot'`` (the bound): every slot
+            lasts as long as its busiest device, as if each ended with a barrier.
+            ``'pairs'``: each slot's transfers hold only the two devices of each send
+            (a ``ppermute`` pair waits for both ends, as the runtime's do); a device
+            without a transfer in a slot goes straight on. The two agree when every
+            cell costs the same.
 
         Returns:
           A float in [0, 1); with the default equal costs and one action per cell, the
@@ -375,19 +410,26 @@ class Schedule:
         Example:
           >>> round(one_f_one_b_schedule(4, 32).idle_fraction(1.0, 2.0), 3)
           0.294
+          >>> round(one_f_one_b_schedule(4, 32).idle_fraction(1.0, 2.0, sync="pairs"), 3)
+          0.086
           >>> round(one_f_one_b_schedule(4, 32, forwards_per_slot=2).idle_fraction(1.0, 2.0), 3)
           0.111
           >>> round(zero_bubble_schedule(4, 8).idle_fraction(1.0, 1.0, 1.0), 3)
           0.111
         """
-        busy, span = self._busy_span(forward, backward, weight)
+        busy, span = self._busy_span(forward, backward, weight, sync)
         return 1.0 - busy / (self.num_stages * span) if span else 0.0
 
     def idle_time(
-        self, forward: float | Any = 1.0, backward: float | Any = 1.0, weight: float | Any = 1.0
+        self,
+        forward: float | Any = 1.0,
+        backward: float | Any = 1.0,
+        weight: float | Any = 1.0,
+        *,
+        sync: str = "slot",
     ) -> float:
-        """The bubble in cost units summed over the stages: ``p`` x the sum of the slot
-        lengths - the busy time (arguments as in `idle_fraction`).
+        """The bubble in cost units summed over the stages: ``p`` x the step's length -
+        the busy time (arguments as in `idle_fraction`).
 
         Returns:
           A float >= 0: ``2 p (p - 1)`` for GPipe and 1F1B at the default equal costs;
@@ -400,7 +442,7 @@ class Schedule:
           >>> zero_bubble_schedule(4, 8).idle_time(1.0, 1.0, 1.0)  # B + W = one backward of 2
           12.0
         """
-        busy, span = self._busy_span(forward, backward, weight)
+        busy, span = self._busy_span(forward, backward, weight, sync)
         return self.num_stages * span - busy
 
     def in_flight(self) -> list[int]:

@@ -14,7 +14,10 @@ from blox.parallel._schedules import (
     Action,
     Schedule,
     gpipe_schedule,
+    interleaved_schedule,
     one_f_one_b_schedule,
+    zero_bubble_schedule,
+    zero_bubble_v_schedule,
 )
 from tests.parallel.pipeline_common import Counter
 from tests.tolerances import tol
@@ -295,6 +298,37 @@ def test_idle_fraction_weighs_cells_by_their_cost():
     assert s.idle_fraction() == pytest.approx(4 / 12)
     with pytest.raises(ValueError, match="forward has 3 entries.*one per stage"):
         s.idle_fraction(forward=[1.0, 1.0, 1.0])
+
+
+def test_idle_fraction_with_pairwise_sync_counted_by_hand():
+    """``sync='pairs'``: a device waits only for the other end of its own transfers.
+    1F1B p = 2, m = 2, F = 1, B = 2 (table ``F0 F1 . B0 . B1`` over ``. F0 B0 F1 B1 .``):
+    device 0 ends its slots at 1, 2, 4 (waits for device 1's B0), 6, 7 (waits for B1),
+    9; device 1 at 1, 2, 4, 5, 7, 7: the step lasts 9 against the slot bound's
+    1 + 1 + 2 + 2 + 2 + 2 = 10, for 12 busy units on 2 devices."""
+    s = one_f_one_b_schedule(2, 2)
+    assert s.idle_fraction(1.0, 2.0, sync="pairs") == pytest.approx(1 - 12 / 18)
+    assert s.idle_fraction(1.0, 2.0) == pytest.approx(1 - 12 / 20)
+    assert s.idle_time(1.0, 2.0, sync="pairs") == pytest.approx(2 * 9 - 12)
+    with pytest.raises(ValueError, match="sync='barrier'.*'slot', 'pairs'"):
+        s.idle_fraction(sync="barrier")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pairwise_sync_never_idles_more_than_the_slot_bound(seed):
+    """The shape of the pairwise model over every table kind and random per-stage costs:
+    never more idle than the slot bound, and equal to it when every cell costs the same."""
+    r = np.random.default_rng(seed)
+    p, m = 4, 8
+    tables = [
+        gpipe_schedule(p, m), one_f_one_b_schedule(p, m), interleaved_schedule(p, m, 2),
+        zero_bubble_schedule(p, m), zero_bubble_v_schedule(p, m),
+    ]  # fmt: skip
+    for s in tables:
+        n = p * s.virtual_stages
+        f, b, w = (list(r.uniform(0.5, 2.0, n)) for _ in range(3))
+        assert s.idle_fraction(f, b, w, sync="pairs") <= s.idle_fraction(f, b, w) + 1e-12, s.name
+        assert s.idle_fraction(sync="pairs") == pytest.approx(s.idle_fraction()), s.name
 
 
 def test_packed_schedule_errors():

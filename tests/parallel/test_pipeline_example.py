@@ -88,7 +88,8 @@ def test_pipeline_speed_quick_writes_its_section(tmp_path):
         "pipeline_speed.py", "pipeline_speed", tmp_path / "b.md", "--plot", str(plot)
     )
     for needle in ["GPipe vs 1F1B vs interleaved vs ZB-H1 vs ZB-V vs sequential",
-                   "(p-1)/(m+p-1)", "idle, busy-time weighted", "| gpipe | 8 |", "| 1f1b | 8 |",
+                   "(p-1)/(m+p-1)", "idle, measured cells, pairs", "slot bound",
+                   "| gpipe | 8 |", "| 1f1b | 8 |",
                    "| 1f1b-2f | 8 |", "| interleaved | 8 |", "| zb | 8 |", "| zbv | 8 |",
                    "busy, interleaved", "busy, zb", "busy, zbv", "step time 1f1b-2f / 1f1b",
                    "step time zb / 1f1b", "step time zbv / 1f1b", "temp / 1f1b temp",
