@@ -306,6 +306,15 @@ PATHS = (
     ),
     PathSpec("zb", f"{_PIPE}, zb-h1", (("stage", 2),), 2, "zb", semantics="m=2"),
     PathSpec(
+        "zbv",
+        f"{_PIPE} x 2 chunks in a V, zb-v",
+        (("stage", 2),),
+        2,
+        "zbv",
+        v=2,
+        semantics="m=2, 4 units, stacked in the V's order",
+    ),
+    PathSpec(
         "dp_pp",
         f"{_PIPE}, 1f1b, data_axis, data=2",
         (("data", 2), ("stage", 2)),
@@ -770,12 +779,19 @@ def _run_pipeline(path, m, shared, stages, x, t, k, rngs):
         rngs=[m.stage_rng, m.shared_rng] if rngs else (),
         remat=path.remat,
     )
-    stacked = bp.stack_stages(list(stages), virtual_stages=v)
+    # the units stacked in the schedule's order (model order but for ZB-V's V), and back
+    order = list(range(len(stages)))
+    if path.schedule == "zbv":
+        order = list(bp.zero_bubble_v_schedule(2, k).stacking_order)
+    stacked = bp.stack_stages([stages[i] for i in order], virtual_stages=v)
     (loss, _), (g, g_sh), (new_st, new_sh) = jax.jit(step)(stacked, shared, x, t)
-    grads = to_flat(g_sh, bp.unstack_stages(g, virtual_stages=v))
-    state = to_flat(
-        new_sh.split()[1], [s.split()[1] for s in bp.unstack_stages(new_st, virtual_stages=v)]
-    )
+
+    def in_model_order(tree):
+        parts = bp.unstack_stages(tree, virtual_stages=v)
+        return [parts[order.index(i)] for i in range(len(order))]
+
+    grads = to_flat(g_sh, in_model_order(g))
+    state = to_flat(new_sh.split()[1], [s.split()[1] for s in in_model_order(new_st)])
     return loss, grads, state
 
 
@@ -860,7 +876,7 @@ holds the table this page is generated from and fails when the two differ (`pyth
 tests.test_composition_matrix > docs/composition.md` rewrites the page).
 
 The model of each row: `first_fn` (an embedding `Linear`), 2 identical units (4 for the
-interleaved schedule: 2 stages x 2 chunks) of a column-parallel and a row-parallel
+interleaved and ZB-V schedules: 2 stages x 2 chunks) of a column-parallel and a row-parallel
 `Linear` plus the row's layer, with a residual, and `last_fn` (a head `Linear` and the
 loss). A unit is a pipeline stage; the paths that take one `Params` hold the units at
 `s0/`, `s1/`, ... with the same values. The column- and row-parallel layers split over
@@ -869,8 +885,10 @@ parameters) on the others; every layer is called through `bp.fsdp_call` (a plain
 outside FSDP), so one model serves every path. The batch
 has 16 rows. The `ep` column runs `ep_value_and_grad` (which has no train step) on this
 model, which has no experts: it checks how expert parallelism carries the state of the
-rest of a model, its batch split over the expert axis as DP splits it; context
-parallelism gets its column when it lands.
+rest of a model, its batch split over the expert axis as DP splits it. Context
+parallelism splits a sequence axis, which this model of rows does not have: its steps
+(DP and FSDP over `('data', 'context')`, dropout per data and context shard) are
+checked against one device in `tests/parallel/test_context_steps.py`.
 """
 
 _SAME = """\
