@@ -69,10 +69,12 @@ class Feature:
       name: the row id.
       title: what the model does (docs).
       unit: the layer each unit adds after its row-parallel `Linear`: ``'dropout'``,
-        ``'batchnorm'``, ``'counter'`` (a call count and a running mean), ``'tally'``
+        ``'batchnorm'``, ``'runstats'`` (`RunningMeanStd`), ``'counter'`` (a call count
+        and a running mean), ``'tally'``
         (an int32 count of positive activations: integer state that depends on the
         data) or ``''``.
-      sync_bn: the BatchNorm averages its statistics over ``'data'`` (``axis_name``).
+      sync_bn: the BatchNorm (or RunningMeanStd) merges its statistics over ``'data'``
+        (``axis_name``).
       shared_rng: ``first_fn`` adds noise from the shared `Rng` (``net/rng``) and
         ``last_fn`` scales the loss by a draw from it: one counter advanced on both ends.
       weighted: a masked mean over a padded batch, weighted by ``aux['weight']``.
@@ -83,7 +85,7 @@ class Feature:
         other params are float32).
       micro: microbatches per data shard multiply by this (accumulation).
       list_rngs: the steps get every `Rng` in ``rngs=``; False: none.
-      rtol: the relative tolerance when it is not the dtype's (`tests.tolerances`).
+      rtol, atol: the tolerances when they are not the dtype's (`tests.tolerances`).
       semantics: the row's rule, as the docs state it.
     """
 
@@ -99,17 +101,23 @@ class Feature:
     micro: int = 1
     list_rngs: bool = True
     rtol: float | None = None
+    atol: float | None = None
     semantics: str = ""
 
     @property
     def model_key(self) -> Feature:
-        """What the model depends on (not the names, `micro`, `list_rngs`, `rtol`)."""
-        return replace(self, name="", title="", micro=1, list_rngs=True, rtol=None, semantics="")
+        """What the model depends on (not the names, `micro`, `list_rngs`, the
+        tolerances)."""
+        return replace(
+            self, name="", title="", micro=1, list_rngs=True, rtol=None, atol=None, semantics=""
+        )
 
     def tol(self) -> dict:
         t = dict(tol(self.dtype or jnp.float32))
         if self.rtol is not None:
             t["rtol"] = self.rtol
+        if self.atol is not None:
+            t["atol"] = self.atol
         return t
 
 
@@ -156,6 +164,25 @@ FEATURES = (
             "over the global microbatches (microbatch j of every shard together); without "
             "a data axis there is none to average over: the layer raises, naming itself "
             "and `axis_name`"
+        ),
+    ),
+    Feature(
+        "running_stats",
+        "RunningMeanStd(axis_name='data', clip=5) in every unit: running mean, variance "
+        "and count of its inputs (non-trainable), the output normalized by them",
+        unit="runstats",
+        sync_bn=True,
+        # TP's partial sums over 'model' round apart from one device's products, and the
+        # normalization divides by the statistics' deviation: up to 8e-6 absolute on
+        # gradient entries up to 5 (the embedding's bias), 2e-4 relative on a small one
+        rtol=1e-4,
+        atol=1e-5,
+        semantics=(
+            "each microbatch is normalized by the statistics of every earlier one, then "
+            "merged in: with the data shards merged together (microbatch j of every shard "
+            "at once), the one-device run over the global microbatches, so every shard "
+            "stores the statistics of all rows seen; without a data axis the layer raises, "
+            "naming itself and `axis_name`"
         ),
     ),
     Feature(
@@ -379,10 +406,18 @@ _UNBOUND = (
     "layer with `axis_name=None` there)",
 )
 
+_UNBOUND_RMS = (
+    ValueError,
+    r"RunningMeanStd '(s0|stage)/rms': axis_name='data' is not bound here",
+    "without a data axis there is no batch of the shards to merge (build the layer with "
+    "`axis_name=None` there)",
+)
+
 # Cells that cannot compose, with the error they raise and why.
 ERRORS: dict[tuple[str, str], tuple] = {
     **{("unlisted_rng", p.name): _UNLISTED for p in PATHS if p.folds},
     **{("batchnorm_sync", p.name): _UNBOUND for p in PATHS if "data" not in dict(p.mesh)},
+    **{("running_stats", p.name): _UNBOUND_RMS for p in PATHS if "data" not in dict(p.mesh)},
     **{("int_state", p.name): _INT_STATE for p in PATHS if p.folds},
 }
 
@@ -466,6 +501,9 @@ def _unit(root: str, feature: Feature, tp: str | None):
     layer = {
         "dropout": lambda: bx.Dropout(g / "drop", 0.5, rng),
         "batchnorm": lambda: bx.BatchNorm(g / "bn", axis_name="data" if feature.sync_bn else None),
+        "runstats": lambda: bx.RunningMeanStd(
+            g / "rms", clip=5.0, axis_name="data" if feature.sync_bn else None
+        ),
         "counter": lambda: _Counter(g / "count"),
         "tally": lambda: _Tally(g / "tally"),
         "": lambda: None,

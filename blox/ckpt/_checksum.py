@@ -439,8 +439,9 @@ def start_checksums(named_leaves: dict[str, Any]) -> PendingChecksums:
     """Starts the checksums of every leaf (restore's way: it compiles in the caller).
 
     Large jax arrays are summed on their devices (one jitted call for all of them per set
-    of devices they are committed to, the result replicated), asynchronously: the call returns once the program is dispatched
-    (compiled on the first call for a state layout). Small ones (up to `HOST_BYTES`, when
+    of devices they are committed to, the result replicated), asynchronously: the call
+    returns once the program is dispatched (compiled on the first call for a state
+    layout). Small ones (up to `HOST_BYTES`, when
     one process holds all of their values), NumPy arrays and Python numbers (as
     `PY_DTYPES`) are summed on the host now, with the same arithmetic.
     """

@@ -12,7 +12,7 @@ import numpy as np
 
 from blox.core import Graph, Module, Params
 from blox.core._errors import BloxKeyError
-from blox.nn._norm import stats_dtype
+from blox.nn._norm import _UNBOUND_AXIS, stats_dtype
 
 __all__ = ["RunningMeanStd"]
 
@@ -148,6 +148,18 @@ class RunningMeanStd(Module):
             )
         return values  # type: ignore[return-value]
 
+    def _check_axis(self) -> None:
+        """Raises, naming this layer and the axis, when ``axis_name`` is not bound by an
+        enclosing ``jax.vmap`` / ``jax.shard_map`` (JAX's own error names neither)."""
+        names = self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
+        for name in names if self.axis_name is not None else ():
+            try:
+                jax.lax.axis_size(name)
+            except NameError as e:
+                raise ValueError(
+                    _UNBOUND_AXIS.format(kind="RunningMeanStd", path=self.path_str, axis=name)
+                ) from e
+
     # -- calls -------------------------------------------------------------------------
 
     def __call__(
@@ -176,6 +188,7 @@ class RunningMeanStd(Module):
         xs = jax.lax.stop_gradient(x.astype(sd)).reshape(-1, x.shape[-1])
         k = jnp.asarray(np.prod(x.shape[:-1], dtype=np.int64), sd)
         total = jnp.sum(xs, axis=0)
+        self._check_axis()
         if self.axis_name is not None:
             k, total = jax.lax.psum((k, total), self.axis_name)
         batch_mean = total / k

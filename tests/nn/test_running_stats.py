@@ -129,3 +129,21 @@ def test_bad_inputs_name_the_layer():
         norm.statistics(bx.Params())
     with pytest.raises(ValueError, match=r"clip must be > 0 or None, got 0"):
         _norm(clip=0)
+
+
+@pytest.mark.parametrize("axis_name", ["data", ("data", "env")])
+def test_an_unbound_axis_name_raises_naming_the_layer_and_the_axis(axis_name):
+    """Called outside the transform that names its axis (here one of two), the merge
+    cannot sum over it: the error names the layer, the axis and both fixes (JAX's own,
+    'unbound axis name', names neither). Normalizing alone (is_training=False) reads no
+    axis and still runs."""
+    norm = _norm(axis_name=axis_name)
+    x = jnp.ones((2, 3))
+    with pytest.raises(ValueError, match=r"RunningMeanStd 'net/norm': axis_name='data' is not "
+                                         r"bound here(.|\n)*axis_name=None"):  # fmt: skip
+        norm(bx.Params(), x)
+    if isinstance(axis_name, tuple):  # 'data' bound, 'env' not
+        with pytest.raises(ValueError, match=r"axis_name='env' is not bound"):
+            jax.vmap(lambda x: norm(bx.Params(), x), axis_name="data")(x[None])
+    y, _ = norm(bx.Params(), x, is_training=False)
+    np.testing.assert_array_equal(y, x)
