@@ -42,7 +42,8 @@ m = 4, which the runtime keeps flat), the compiled temp bytes
 compiled program's ``copy`` count, and the idle fraction three ways: (p - 1)/(m + p - 1);
 from the schedule table with a backward of two forwards (``Schedule.idle_fraction(1, 2)``);
 and from the measured time of each cell the runtime runs, on one microbatch, one
-device, inside one jitted loop (no dispatch per cell), from the runtime's own code
+device, inside one jitted loop (no dispatch per cell), in a child process pinned to one
+core (`pinned_cells`), from the runtime's own code
 (`runtime_cells`: a
 forward; the last stage's forward also differentiates ``last_fn``; the whole backward;
 stage 0's backward also recomputes and differentiates ``first_fn``; for ZB-H1 and ZB-V
@@ -82,6 +83,7 @@ from blox import parallel as bp  # noqa: E402
 
 COUNTS = CountArgs(steps=10, warmup=2, quick_steps=2, quick_warmup=1, rounds=5)
 P_STAGES, D_IO = 4, 16
+WIDTH, ROWS = 128, 64  # the blocks' width, the rows of a microbatch
 PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "img",
                     "pipeline_memory.png")  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "1f1b-2f", "interleaved", "zb", "zbv")
@@ -212,7 +214,8 @@ POSITIONS = ("first", "mid", "last")  # stage 0 (after first_fn), a middle stage
 
 def runtime_cells(first_fn, stage_fn, last_fn, shared, stage, rows, number, repeat):
     """Seconds of the cells the runtime runs on one microbatch, per stage position
-    (`POSITIONS`), each jitted alone from the runtime's own code (`blox.parallel._pipeline`,
+    (`POSITIONS`), each inside one jitted loop (`in_loop`), from the runtime's own code
+    (`blox.parallel._pipeline`,
     products row-major as on a CPU mesh): ``F`` (the stage's VJP forward, residuals out;
     stage 0 runs ``first_fn`` first, the last stage then takes the value and gradient of
     ``last_fn``), ``backward`` (the whole backward from the stash: the B of tables
@@ -270,11 +273,8 @@ def runtime_cells(first_fn, stage_fn, last_fn, shared, stage, rows, number, repe
         cells[pos, "backward"] = (functools.partial(whole, pos), (res, pres, h, tr_sh))
         cells[pos, "B"] = (functools.partial(backward_input, pos), (res, pres, h, tr_sh))
     cells["W"] = (w, (pres, kept))
-    calls = {
-        (key, k): in_loop(cell, args, k)
-        for key, (cell, args) in cells.items()
-        for k in LOOP_TRIPS
-    }  # fmt: skip
+    loops = {key: in_loop(cell, args) for key, (cell, args) in cells.items()}
+    calls = {(key, k): functools.partial(run, k) for key, run in loops.items() for k in LOOP_TRIPS}
     for c in calls.values():
         c()
     best = dict.fromkeys(calls, float("inf"))
@@ -292,13 +292,14 @@ def runtime_cells(first_fn, stage_fn, last_fn, shared, stage, rows, number, repe
 LOOP_TRIPS = (2, 10)  # the two loop lengths `in_loop` times; a cell = the difference / 8
 
 
-def in_loop(cell, args, trips: int):
-    """A call of one jitted loop that runs ``cell(*args)`` `trips` times, as the
-    runtime's scan runs its cells: no dispatch per cell. Each trip's operands pass an
-    ``optimization_barrier`` with a counter the loop carries, so that XLA hoists nothing out of the
-    loop; the last trip's outputs are returned (and so computed on every trip)."""
+def in_loop(cell, args):
+    """``run(trips)``: a call of one jitted loop (compiled once, the trip count an
+    argument) that runs ``cell(*args)`` `trips` times, as the runtime's scan runs its
+    cells: no dispatch per cell. Each trip's operands pass an ``optimization_barrier``
+    with a counter the loop carries, so that XLA hoists nothing out of the loop; the last
+    trip's outputs are returned (and so computed on every trip)."""
 
-    def loop(args):
+    def loop(args, trips):
         def body(_, carry):
             a, c = lax.optimization_barrier((args, carry[0]))
             return c + 1.0, cell(*a)
@@ -307,7 +308,46 @@ def in_loop(cell, args, trips: int):
         return lax.fori_loop(0, trips, body, (jnp.float32(0), out))
 
     f = jax.jit(loop)
-    return lambda: jax.block_until_ready(f(args))
+    return lambda trips: jax.block_until_ready(f(args, jnp.int32(trips)))
+
+
+def write_cells(path: str, width: int, rows: int, number: int) -> int:
+    """`runtime_cells` of both layouts (a stage of two blocks, a one-block chunk), written
+    to `path` as JSON ``{v: {position: {cell: seconds}}}``."""
+    import json
+
+    first_fn, last_fn, shared, chunked = build_model(width)
+    out = {}
+    with jax.default_matmul_precision("highest"):
+        for v, (fn, chunks) in chunked.items():
+            stage = _model_stage(stacked(chunks, range(len(chunks))), 1, v)
+            out[v] = runtime_cells(first_fn, fn, last_fn, shared, stage, rows, number, repeat=7)
+    with open(path, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+def pinned_cells(width: int, rows: int, number: int) -> dict:
+    """`write_cells` run in a child process pinned to one core (``os.sched_setaffinity``,
+    where the OS has it): unpinned on this 2-core machine, XLA's threads split some
+    cells over both cores in some processes and not in others, so that one cell (W)
+    measured 75, 92 or 110 us from one process to the next; pinned, 107-113 us in
+    every one. A device runs its cells alone, as one pinned core does."""
+    import json
+    import subprocess
+    import tempfile
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pin = (lambda: os.sched_setaffinity(0, cores[:1])) if cores else None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "cells.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--cells-only", path, str(number)]
+        subprocess.run(cmd, check=True, preexec_fn=pin)
+        with open(path) as f:
+            cells = json.load(f)
+    if not cores:
+        log("cells timed unpinned: this OS has no sched_setaffinity")
+    return {int(v): c for v, c in cells.items()}
 
 
 def weighted_idle(schedule, cells, sync: str) -> float:
@@ -386,13 +426,16 @@ def main(argv: list[str] | None = None) -> int:
     COUNTS.add_to(ap, quick_help="m = 8 and 32 only, fewer rounds (the default model)")
     ap.add_argument("--plot", default=PLOT, help="where to save the memory-vs-m PNG ('' none)")
     ap.add_argument("--json", default="", help="also write the records (a JSON list) here")
+    ap.add_argument("--cells-only", nargs=2, metavar=("FILE", "NUMBER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.cells_only:  # the child of `pinned_cells`
+        return write_cells(args.cells_only[0], WIDTH, ROWS, int(args.cells_only[1]))
     rounds, steps, warmup = COUNTS.resolve(ap, args)
     started, env, command = _timing.start_run("blox pipeline speed")
     if len(jax.devices()) < 8:
         log("needs 8 devices")
         return 1
-    width, rows = 128, 64
+    width, rows = WIDTH, ROWS
     ms = [8, 32] if args.quick else [4, 8, 16, 32, 64]
     mesh = bp.make_mesh((P_STAGES,), ("stage",), devices=jax.devices()[:P_STAGES])
     first_fn, last_fn, shared, chunked = build_model(width)
@@ -404,11 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     contenders, mem, checks, idle, copies, slots = [], {}, [], {}, {}, {}
     with jax.default_matmul_precision("highest"):
         # the runtime's own cells (F, fused backward, split B and W), per layout and position
-        cells = {
-            v: runtime_cells(first_fn, fn, last_fn, shared, _model_stage(params, 1, v), rows,
-                             number=20 if args.quick else 50, repeat=7)
-            for v, (fn, params) in layouts.items()
-        }  # fmt: skip
+        cells = pinned_cells(width, rows, number=20 if args.quick else 50)
         for m in ms:
             r = np.random.default_rng(m)
             x = jnp.asarray(r.normal(size=(rows * m, D_IO)), jnp.float32)
@@ -545,7 +584,9 @@ def main(argv: list[str] | None = None) -> int:
             "m = 8 and 32 only, fewer rounds and calls" if args.quick else None,
         ),  # fmt: skip
         "- Measured busy time of the runtime's cells on one microbatch, each run inside "
-        "one jitted loop as the runtime's scan runs it (no dispatch per cell: the time of "
+        "one jitted loop as the runtime's scan runs it, in a child process pinned to one "
+        "core (a device runs its cells alone; unpinned, XLA's threads split some cells "
+        "over the two cores in some processes and not others) (no dispatch per cell: the time of "
         f"a loop of {LOOP_TRIPS[1]} trips less one of {LOOP_TRIPS[0]}, over the difference; "
         "min over rounds), F / whole backward / B (input part) / W "
         "(weight part), us (stage 0's backward and B recompute and differentiate the "
