@@ -859,7 +859,6 @@ def _close(got, want, what, t, why):
             np.testing.assert_array_equal(a, b, err_msg=f"{what} {'/'.join(key)}; {why}")
 
 
-@pytest.mark.standard_promotion  # Optax's updates mix Python floats and int32 counts
 @pytest.mark.parametrize("cell", CELLS, ids=[f"{c.feature.name}-{c.path.name}" for c in CELLS])
 def test_cell(cell: Cell):
     f, p = cell.feature, cell.path

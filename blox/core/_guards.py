@@ -15,6 +15,8 @@ steps call them on the params a loss function received and the params it returne
   ``blox.parallel.place``.
 * `reduce_dtype_of` / `to_reduce_dtype`: the dtype gradient sums run in (float32 for
   bf16/fp16 values by default).
+* `optimizer_update`: ``tx.update`` and ``optax.apply_updates`` under standard dtype
+  promotion, so that a step traced under strict promotion still runs Optax.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from blox.core._params import FSDP_MARK, Params, Path, _thaw, format_path
 
 __all__ = [
     "FSDP_MARK",
+    "optimizer_update",
     "check_no_new_params",
     "check_placement",
     "check_reduce_dtype",
@@ -257,3 +261,15 @@ def to_reduce_dtype(tree: Any, reduce_dtype: Any) -> Any:
         return x if d == x.dtype else x.astype(d)
 
     return jax.tree.map(one, tree)
+
+
+def optimizer_update(tx: Any, grads: Any, opt_state: Any, trainable: Any) -> tuple[Any, Any]:
+    """``(new trainable, new opt_state)``: ``tx.update`` then ``optax.apply_updates``.
+
+    Optax is not strict-promotion clean (Adam's ``b1 ** count`` mixes a Python float with
+    an int32 counter), so both run under ``jax.numpy_dtype_promotion('standard')``,
+    whatever mode the caller traces the step in; the loss function keeps the caller's
+    mode. Every train step (one device, DP, FSDP) updates through this."""
+    with jax.numpy_dtype_promotion("standard"):
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state

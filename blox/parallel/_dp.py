@@ -29,6 +29,7 @@ from blox.core._guards import (
     check_placement,
     check_reduce_dtype,
     check_rngs_listed,
+    optimizer_update,
     reduce_dtype_of,
     to_reduce_dtype,
 )
@@ -570,7 +571,10 @@ def make_dp_train_step(
        `dp_value_and_grad` computes the global-batch gradients with one all-reduce over
        `axis`, `restore_seeds` restores the seeds.
     3. Outside the ``shard_map`` (global view, so ``clip_by_global_norm`` and friends see
-       whole arrays): ``tx.update`` and ``optax.apply_updates`` on the trainable params.
+       whole arrays): ``tx.update`` and ``optax.apply_updates`` on the trainable params,
+       under standard dtype promotion as in `blox.train.make_train_step` (Optax mixes
+       Python floats with int32 counts), so the step also runs when traced under strict
+       promotion.
 
     Args:
       loss_fn: ``(params, *batch) -> (loss, params)`` or ``((loss, aux), params)``.
@@ -804,8 +808,8 @@ def sharded_train_step(
         grad_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs
     )(params, *batch)
     trainable, rest = params.split(predicate)
-    updates, opt_state = tx.update(grads, opt_state, trainable)
-    params = optax.apply_updates(trainable, updates).merge(rest)
+    trainable, opt_state = optimizer_update(tx, grads, opt_state, trainable)
+    params = trainable.merge(rest)
     if has_aux:
         loss, aux = value
         metrics = {"loss": loss, **aux} if isinstance(aux, dict) else {"loss": loss, "aux": aux}

@@ -1076,7 +1076,8 @@ def make_fsdp_train_step(
        sharded arrays: each device updates its shards (Adam's moments are sharded by
        `opt_state_shardings` with the same specs), and what needs a global value, such as
        ``optax.clip_by_global_norm``, reduces over the shards (a scalar all-reduce), so
-       it equals the unsharded transformation.
+       it equals the unsharded transformation. Optax runs under standard dtype
+       promotion (as in `make_dp_train_step`), also in a step traced under strict.
 
     Args:
       loss_fn: ``(params, *batch) -> (loss, params)`` calling layers via `fsdp_call`.

@@ -21,6 +21,7 @@ from blox.core._guards import (
     check_no_new_params,
     check_placement,
     check_reduce_dtype,
+    optimizer_update,
     to_reduce_dtype,
 )
 from blox.core._params import Path
@@ -575,12 +576,7 @@ def make_train_step(
 
     def update(params, opt_state, grads):
         trainable, non_trainable = params.split(predicate)
-        # Optax is not strict-promotion clean (adam's ``b1 ** count`` mixes a Python float
-        # with an int32 counter): its update runs under standard promotion, whatever mode
-        # the caller traces in. The loss function keeps the caller's mode.
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = tx.update(grads, opt_state, trainable)
-            trainable = optax.apply_updates(trainable, updates)
+        trainable, opt_state = optimizer_update(tx, grads, opt_state, trainable)
         return trainable.merge(non_trainable), opt_state
 
     if loss_scale is None:

@@ -207,7 +207,6 @@ def test_eval_shape_recipe_without_rules_refuses_to_replicate(saved):
         ckpt.CheckpointManager(directory).restore(_abstract_state(), mesh=mesh)
 
 
-@pytest.mark.standard_promotion  # the Adam update inside the step
 def test_eval_shape_recipe_with_rules_keeps_tp_and_trains(saved):
     """Restored onto (2, 4) by rules: the layout the rules derive there (TP = 4), and the
     TP step (shard_map over data x model, the restored layout as in_specs) gives the loss

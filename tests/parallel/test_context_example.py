@@ -21,8 +21,6 @@ STEP = re.compile(r"^step=(\d+) loss=(\S+)$", re.M)
 TEMP = re.compile(r"^attn_temp_bytes=(\d+)$", re.M)
 STEPS = 2
 
-pytestmark = pytest.mark.standard_promotion  # Optax's AdamW mixes float and int32
-
 
 GPT = load_example("gpt_tp")
 

@@ -82,7 +82,7 @@ def _close(a, b, **kw):
         np.testing.assert_allclose(np.asarray(pa), np.asarray(pb), **(kw or F32))
 
 
-@pytest.mark.standard_promotion
+@pytest.mark.standard_promotion  # the reference's own Optax update
 @pytest.mark.parametrize("types", TYPES)
 def test_dp8_three_adamw_steps_equal_one_device(types):
     model, _, params = _model()
@@ -169,7 +169,6 @@ def _masked_setup(n=32, t=4, d=3, seed=3):
     return fc, params, x, y, mask
 
 
-@pytest.mark.standard_promotion
 @pytest.mark.parametrize("dp", [1, 2, 8])
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("masked", [False, True])
@@ -207,7 +206,6 @@ def test_accumulation_times_dp_equals_one_large_batch_update(dp, k, masked):
     _close(new.split()[0], ref_p)
 
 
-@pytest.mark.standard_promotion
 def test_weight_gives_the_token_mean_and_no_weight_the_mean_of_microbatch_means():
     """dp 2 x k 4 = 8 microbatches of 4 rows holding different numbers of real tokens:
     with ``aux['weight']`` the gradient is the masked mean over all real tokens; without
@@ -252,7 +250,6 @@ def test_weight_gives_the_token_mean_and_no_weight_the_mean_of_microbatch_means(
         _close(got[name][1], ref[1])
 
 
-@pytest.mark.standard_promotion
 @pytest.mark.parametrize("types", TYPES)
 def test_batchnorm_axis_name_gives_full_batch_statistics(types):
     model, _, params = _model(batchnorm=True)
@@ -301,7 +298,6 @@ def test_dropout_masks_differ_per_shard_and_runs_repeat():
     assert int(rng.get_counter(new)) == int(rng.get_counter(params)) + 1
 
 
-@pytest.mark.standard_promotion
 def test_dp_step_with_dropout_is_reproducible():
     model, rng, params = _model(dropout=0.3)
     x, y = _data()

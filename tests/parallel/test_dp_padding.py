@@ -107,7 +107,7 @@ def test_an_all_padding_shard_or_microbatch_gives_the_real_rows_gradients(dp, k)
     _close(grads, ref_grads)
 
 
-@pytest.mark.standard_promotion
+@pytest.mark.standard_promotion  # the reference's own Optax update
 @pytest.mark.parametrize("types", ["explicit", "auto"])
 def test_dp_train_step_with_an_all_padding_shard_updates_as_the_real_rows(types):
     model, params, x, mask = _setup()

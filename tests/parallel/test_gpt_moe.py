@@ -41,7 +41,7 @@ def _run(capsys, *argv):
     return losses, loads, dropped, int(BYTES.search(out)[1])
 
 
-@pytest.mark.standard_promotion  # Optax's adamw mixes Python floats and int32 counts
+@pytest.mark.standard_promotion  # the example's own Optax update (as users write it)
 def test_expert_parallel_lines_equal_one_device(capsys):
     ref, ref_loads, ref_dropped, ref_bytes = _run(capsys, "--mesh", "1x1")
     # SwiGLU experts: gate, up (D, 2D) and down (2D, D) per expert, float32.

@@ -202,7 +202,6 @@ def test_malformed_rules_raise_type_errors():
         bp.param_specs(params, [("kernel", (None, 3))])
 
 
-@pytest.mark.standard_promotion
 def test_opt_state_shardings_follow_their_parameters():
     mesh = bp.make_mesh((2, 4), ("data", "model"))
     params = _lm_params()

@@ -122,7 +122,6 @@ def _assert_valid_for(tree, state, mesh):
                 assert size % sizes[entry] == 0, (spec, leaf.shape)
 
 
-@pytest.mark.standard_promotion
 @pytest.mark.parametrize(
     "name,tx",
     [
@@ -139,6 +138,7 @@ def _assert_valid_for(tree, state, mesh):
         ),
     ],  # fmt: skip
 )
+@pytest.mark.standard_promotion  # the reference's own Optax update
 def test_sharded_optimizer_init_and_update_equal_the_unsharded_run(name, tx):
     """`jax.jit(tx.init, out_shardings=opt_state_shardings(...))` works for factored
     (Adafactor: (16,) row and (256,) column statistics of a (16, 256) kernel, (1,)

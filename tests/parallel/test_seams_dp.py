@@ -25,8 +25,6 @@ from jax.sharding import PartitionSpec as P
 import blox as bx
 from blox import parallel as bp
 
-pytestmark = pytest.mark.standard_promotion  # Optax mixes Python floats and int32 counts
-
 
 def _mesh(n):
     return bp.make_mesh((n,), ("data",), devices=jax.devices()[:n])
