@@ -164,7 +164,7 @@ def test_tree_map_keeps_type_flags_metadata_and_paths():
     assert jax.tree.structure(p) != jax.tree.structure(p.unlocked())
 
 
-@pytest.mark.standard_promotion
+@pytest.mark.standard_promotion  # the test's own Optax calls
 def test_params_under_jit_grad_vmap_and_optax():
     p = _params().locked()
     t, nt = p.split()

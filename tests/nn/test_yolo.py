@@ -474,7 +474,7 @@ def tiny_yolo():
     return model, params.locked(), x
 
 
-@pytest.mark.standard_promotion
+@pytest.mark.standard_promotion  # the test's own Optax calls
 def test_a_few_adam_steps_lower_a_loss_and_update_running_stats(tiny_yolo):
     """Regress the three scales to fixed random targets: the loss after 8 Adam steps is
     lower than before; the running statistics moved; the params tree is unchanged."""

@@ -19,7 +19,7 @@ from tests.tolerances import tol
 from tests.train.test_step import build, data, raw_loss, raw_weights
 
 
-@pytest.mark.standard_promotion
+@pytest.mark.standard_promotion  # the test's own Optax calls
 def test_bf16_policy_keeps_fp32_masters_and_tracks_fp32_loss():
     params, loss_fn, _ = build(with_stat=False)
     seen = []
@@ -50,7 +50,7 @@ def test_bf16_policy_keeps_fp32_masters_and_tracks_fp32_loss():
         )
 
 
-@pytest.mark.standard_promotion
+@pytest.mark.standard_promotion  # the test's own Optax calls
 def test_bf16_policy_restores_non_trainable_dtypes():
     params, loss_fn, (x, y) = build()  # RunningMean state is float32, computed in bf16
     policy = bx.Policy(compute_dtype="bfloat16")
@@ -60,7 +60,6 @@ def test_bf16_policy_restores_non_trainable_dtypes():
     assert jax.tree.structure(new) == jax.tree.structure(params)
 
 
-@pytest.mark.standard_promotion
 def test_fp16_loss_scaling_skips_overflow_halves_then_grows_back():
     params, loss_fn, _ = build(with_stat=False)
     tx = optax.sgd(0.1)
@@ -136,7 +135,6 @@ def test_policy_errors():
         step(params, None, x, y)
 
 
-@pytest.mark.standard_promotion
 def test_loss_scale_with_accumulation_equals_unscaled_full_batch():
     params, loss_fn, (x, y) = build(with_stat=False, batch=16)
     tx = optax.sgd(0.1)

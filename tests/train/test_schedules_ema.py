@@ -44,7 +44,7 @@ def test_warmup_cosine_schedule_matches_closed_form():
         np.testing.assert_allclose(float(sched(t)), ref, rtol=1e-5, atol=1e-7, err_msg=str(t))
 
 
-@pytest.mark.standard_promotion
+@pytest.mark.standard_promotion  # the test's own Optax calls
 def test_warmup_cosine_schedule_matches_optax():
     ours = bx.warmup_cosine_schedule(2.0, 50, warmup_steps=7, init_value=0.2, end_value=0.1)
     ref = optax.warmup_cosine_decay_schedule(0.2, 2.0, 7, 50, end_value=0.1)
@@ -52,7 +52,6 @@ def test_warmup_cosine_schedule_matches_optax():
     np.testing.assert_allclose(jax.vmap(ours)(ts), jax.vmap(ref)(ts), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.standard_promotion
 def test_schedule_drives_optax_inside_a_chain():
     sched = bx.flat_cosine_schedule(0.5, 10, pct_start=0.5)
     tx = optax.chain(optax.clip_by_global_norm(10.0), optax.sgd(sched))

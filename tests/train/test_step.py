@@ -160,7 +160,7 @@ def test_accumulation_threads_non_trainable_state_per_microbatch():
     assert int(new[counter].value) == int(params[counter].value) + 3
 
 
-@pytest.mark.standard_promotion
+@pytest.mark.standard_promotion  # the test's own Optax calls
 def test_make_train_step_matches_optax_on_a_dict():
     params, loss_fn, (x, y) = build(with_stat=False)
     tx = optax.adam(1e-2)

@@ -165,7 +165,6 @@ def test_gru_model_matches_a_numpy_reference():
     np.testing.assert_allclose(y_hat, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.standard_promotion
 @pytest.mark.parametrize("kind", ["gru", "tcn"])
 def test_raw_in_raw_out_scaling_by_1000(kind):
     """Trained on data scaled by 1000 (statistics from the scaled data), the model gives

@@ -119,7 +119,6 @@ def test_loss_errors():
         sysid_loss(model, params, {"u": u})
 
 
-@pytest.mark.standard_promotion
 def test_fit_learns_then_early_stopping_keeps_the_best(tmp_path):
     files = make_dataset("discrete", tmp_path, seed=0, size="tiny")
     src = WindowedSource(files.train, {"u": "u", "y": "y"}, window=40, stride=10)
@@ -217,7 +216,6 @@ def _assert_same_params(a, b):
         np.testing.assert_allclose(np.asarray(a[k].value), np.asarray(b[k].value), rtol=1e-6)
 
 
-@pytest.mark.standard_promotion
 def test_fit_by_epochs_runs_epochs_times_batches_and_returns_the_final_params(tmp_path):
     model, params, valid, data = _fit_setup(tmp_path, 6)
     tx = optax.adam(1e-2)
@@ -246,7 +244,6 @@ def test_fit_by_epochs_runs_epochs_times_batches_and_returns_the_final_params(tm
     assert fit.best_score == min(h["score"] for h in fit.history)
 
 
-@pytest.mark.standard_promotion
 def test_fit_final_params_differ_from_the_best_after_early_stopping(tmp_path):
     model, params, valid, data = _fit_setup(tmp_path, 15)
     # Gradient ascent: validation gets worse after the first check.
@@ -260,7 +257,6 @@ def test_fit_final_params_differ_from_the_best_after_early_stopping(tmp_path):
     assert np.mean(last["nrmse"]) > np.mean(best["nrmse"])
 
 
-@pytest.mark.standard_promotion
 def test_fit_reports_timing_and_shows_a_progress_bar(tmp_path, capsys):
     model, params, valid, data = _fit_setup(tmp_path, 8)
     t0 = time.perf_counter()
@@ -319,7 +315,6 @@ def _by_hand(model, params, data, tx, *, noise, loss, seed=0):
     return p, losses
 
 
-@pytest.mark.standard_promotion
 def test_fit_without_recipe_arguments_trains_blox_recipe(tmp_path):
     model, params, valid, data = _fit_setup(tmp_path, 6)
     fit = fit_sysid(model, params, iter(data), steps=6, valid=valid, eval_every=3, seed=2)
@@ -336,7 +331,6 @@ def test_fit_without_recipe_arguments_trains_blox_recipe(tmp_path):
     assert fit.best_params is fit.params
 
 
-@pytest.mark.standard_promotion
 def test_fit_recipe_settings_change_the_recipe_one_by_one(tmp_path):
     model, params, valid, data = _fit_setup(tmp_path, 4)
     fit = fit_sysid(model, params, iter(data), steps=4, valid=valid, lr=3e-3, clip=0.05,
