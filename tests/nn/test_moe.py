@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import blox as bx
+from blox.nn import _moe
 from tests.nn.layer_table import cast_floats, numpy_params
 from tests.tolerances import tol
 
@@ -174,10 +175,16 @@ def _close(a, b, what, dtype=jnp.float32):
     )
 
 
+@pytest.mark.parametrize("matmul", ["tiled", "ragged_dot"])
 @pytest.mark.parametrize(
     "case", CASES, ids=[f"{c['score']}-k{c['k']}-shared{int(c['shared'])}" for c in CASES]
 )
-def test_dropless_equals_a_loop_over_dense_experts_forward_and_gradients(case):
+def test_dropless_equals_a_loop_over_dense_experts_forward_and_gradients(case, matmul, monkeypatch):
+    """Both grouped products of the dropless path: the tiled one XLA:CPU runs while its
+    gathered weights stay small, and ``ragged_dot`` (accelerators, large CPU layers),
+    forced here by a zero size limit."""
+    if matmul == "ragged_dot":
+        monkeypatch.setattr(_moe, "_TILED_MAX_BYTES", -1)
     moe, rng = _case_layer(case)
     x = _x()
     params = _init(moe, rng, x)
@@ -486,9 +493,10 @@ def test_plain_grad_inside_shard_map_with_replicated_params_equals_one_device():
         ((4, 4, 4, 4, 0), 4),  # boundaries on the tiles
     ],
 )
-def test_tiled_grouped_matmul_equals_numpy_rows_and_gradients(sizes, tile):
-    from blox.nn._moe import tiled_grouped_matmul
-
+@pytest.mark.parametrize("matmul", ["tiled", "ragged_dot"])
+def test_grouped_matmuls_equal_numpy_rows_and_gradients(sizes, tile, matmul):
+    """`tiled_grouped_matmul` and `grouped_matmul` (``jax.lax.ragged_dot`` with its own
+    backward, and a loop under ``jax.vmap``)."""
     r = np.random.default_rng(sum(sizes) + tile)
     m, g, k, n = sum(sizes), len(sizes), 3, 2
     lhs, ct = r.standard_normal((m, k)), r.standard_normal((m, n))
@@ -501,7 +509,9 @@ def test_tiled_grouped_matmul_equals_numpy_rows_and_gradients(sizes, tile):
     sz = jnp.asarray(sizes, jnp.int32)
 
     def f(a, b):
-        return tiled_grouped_matmul(a, b, sz, HIGHEST, tile=tile)
+        if matmul == "ragged_dot":
+            return _moe.grouped_matmul(a, b, sz)
+        return _moe.tiled_grouped_matmul(a, b, sz, HIGHEST, tile=tile)
 
     @jax.jit
     def run(a, b, c):
