@@ -77,3 +77,19 @@ def test_cli_in_a_subprocess(two_steps):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"   2       3   {BYTES}  corrupted  params/w" in proc.stdout.splitlines()
     assert f"   1       3   {BYTES}  ok" in proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize("group_bytes", [1, 4096, 2**30])
+def test_verify_reads_in_groups_of_any_size(two_steps, monkeypatch, group_bytes):
+    """`verify` reads a step a group of leaves at a time (256 MiB by default, so the
+    suite's small states are one group): with one leaf per group, two groups and one,
+    the same rows, the corrupted leaf named."""
+    from blox.ckpt import _verify
+
+    monkeypatch.setattr(_verify, "GROUP_BYTES", group_bytes)
+    rows = ckpt.verify(two_steps, quiet=True)
+    assert [(r.step, r.leaves, r.bytes, r.status) for r in rows] == [
+        (1, 3, BYTES, "ok"),
+        (2, 3, BYTES, "corrupted"),
+    ]
+    assert rows[1].detail == "params/w"
