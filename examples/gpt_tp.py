@@ -269,11 +269,6 @@ def main(argv: list[str] | None = None) -> list[float]:
         parser.error(f"--mesh must look like 2x4, got {args.mesh!r}")
     if not (d >= 1 and m >= 1 and d * m <= jax.device_count()):
         parser.error(f"--mesh {args.mesh} needs {d * m} devices; there are {jax.device_count()}")
-    if info.is_multiprocess and d * m != jax.device_count():
-        parser.error(
-            f"with {info.num_processes} processes the mesh must use every device: "
-            f"D x M = {jax.device_count()}"
-        )
     if args.save_every < 1:
         parser.error("--save-every must be >= 1")
     ep = args.expert_parallel
@@ -294,12 +289,17 @@ def main(argv: list[str] | None = None) -> list[float]:
             "expert-parallel step, ep_value_and_grad, splits the batch over data x expert "
             "only); use --experts without --expert-parallel, or drop --context-parallel"
         )
-    if cp is not None and info.is_multiprocess:
-        parser.error("--context-parallel runs in one process in this example")
     n = (ep or 1) * (cp or 1)
-    if d * n * m > jax.device_count() or (info.is_multiprocess and d * n * m != jax.device_count()):
-        extra = "--expert-parallel" if cp is None else "--context-parallel"
-        parser.error(f"--mesh {args.mesh} x {extra} {ep or cp or 1} needs {d * n * m} devices")
+    extra = (
+        "" if n == 1 else f" x {'--expert-parallel' if cp is None else '--context-parallel'} {n}"
+    )
+    if d * n * m > jax.device_count():
+        parser.error(f"--mesh {args.mesh}{extra} needs {d * n * m} devices")
+    if info.is_multiprocess and d * n * m != jax.device_count():
+        parser.error(
+            f"with {info.num_processes} processes the mesh must use every device: "
+            f"--mesh {args.mesh}{extra} uses {d * n * m} of {jax.device_count()}"
+        )
 
     cp_kw = {}
     if cp is not None:  # data x model x context; the rows over data, the sequence over context

@@ -1,7 +1,9 @@
 """The parallel examples in several processes: through ``python -m blox.launch -n 2
 --devices-per-process 4``, ``examples/dp_classifier.py`` (DP over 8 devices) and
 ``examples/gpt_tp.py --mesh 2x4`` (DP x TP, the model axis inside each process, the data
-axis across them) print the same ``step=<n> loss=<repr>`` lines on rank 0 as one process
+axis across them) and ``examples/gpt_tp.py`` with context parallelism (the sequence split
+over all 8 devices, across the processes; and data x model x context with the all-gather
+variant) print the same ``step=<n> loss=<repr>`` lines on rank 0 as one process
 with 8 devices, to 1e-6; rank 1 prints the same values as rank 0 (one replicated loss).
 
 Reference: the single-process runs of the same scripts on 8 simulated devices. The four
@@ -20,9 +22,22 @@ from tests.scripts import LAUNCH, finish, start
 pytestmark = pytest.mark.slow  # starts subprocesses (see tests/conftest.py)
 
 STEPS = "3"
+_GPT = ("examples/gpt_tp.py", "--size", "tiny", "--steps", STEPS)
 RUNS = {
     "dp": ("examples/dp_classifier.py", "--size", "tiny", "--steps", STEPS),
-    "gpt": ("examples/gpt_tp.py", "--size", "tiny", "--steps", STEPS, "--mesh", "2x4"),
+    "gpt": (*_GPT, "--mesh", "2x4"),
+    # context parallelism: the sequence split over 8 devices, so across both processes
+    "gpt_cp_ring": (*_GPT, "--mesh", "1x1", "--context-parallel", "8"),
+    # data across the processes, model x context (all-gather variant) inside each
+    "gpt_cp_allgather": (
+        *_GPT,
+        "--mesh",
+        "2x2",
+        "--context-parallel",
+        "2",
+        "--cp-variant",
+        "allgather",
+    ),
 }
 TWO = ("-n", "2", "--devices-per-process", "4")
 
