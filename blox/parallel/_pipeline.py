@@ -64,6 +64,7 @@ its fast matmul kernel, at 2.3 times the time).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -86,6 +87,7 @@ from blox.parallel._dp import (
     WEIGHT_KEY,
     _aux_finish,
     _aux_terms,
+    _check_batch_rows,
     _check_global_batch,
     _check_rngs,
     _weight,
@@ -1167,9 +1169,9 @@ class _Static(NamedTuple):
     fns: _Fns
     schedule: Schedule
     stage_axis: str
-    data_axis: str | None
+    data_axis: str | tuple[str, ...] | None  # one name, or a tuple (e.g. data, context)
     fsdp: tuple[tuple[Path, int], ...] = ()  # stage leaves sharded over data: (path, dim)
-    dp: int = 1  # the data axis's size
+    dp: int = 1  # the data axes' size: the shards the loss is the mean over
     reduce: Any = None  # reduce_dtype
     rngs: tuple[Rng, ...] = ()  # folded with the data index
     row_major: bool = False  # a CPU mesh: the backward's products row-major (`_product`)
@@ -1322,6 +1324,46 @@ def _check_fns(cfg: _Static, stage: Params, shared: Params, x: Any, h: Any, y: A
     return jax.eval_shape(probe)
 
 
+def _permute_axes(jaxpr: Any) -> set:
+    """The axis names of every ``ppermute`` in `jaxpr` and the jaxprs inside it (calls,
+    branches, loop bodies, custom derivatives)."""
+    out: set = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            out.update(_names(eqn.params["axis_name"]))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out |= _permute_axes(inner)
+    return out
+
+
+def _check_no_permutes(cfg: _Static, stage: Params, shared: Params, x: Any, h: Any, y: Any):
+    """Raises if a function runs a ``ppermute`` (ring attention's, say): the cells are
+    branches of a switch that the stages take differently in a slot, and a ``ppermute``
+    is one collective of every device of the mesh, so the devices of the other stages
+    would pair it with another cell's collective (wrong numbers) or never join it (a
+    hang). All-reduces and all-gathers over an axis inside the stage (TP, FSDP, the
+    all-gather variant of context parallelism) join only that axis's devices."""
+    fns = cfg.fns
+    calls = [("stage_fn", lambda: fns.plain_stage(stage, h))]
+    if fns.first is not None:
+        calls.append(("first_fn", lambda: fns.first(shared, x)))
+    calls.append(("last_fn", lambda: fns.last(shared, h, y)))
+    for name, call in calls:
+        axes = _permute_axes(jax.make_jaxpr(call)().jaxpr)
+        if axes:
+            raise ValueError(
+                f"pipeline_value_and_grad: {name} runs a ppermute over {sorted(axes)} (e.g. "
+                "ring attention, context_variant='ring'). Inside the pipeline each stage "
+                "runs its own cell in a slot, and a ppermute needs every device of the mesh "
+                "at once, so it would pair with another stage's collective or hang. Build "
+                "the attention with context_variant='allgather' (its all-gather joins only "
+                "the context axis), or keep the ppermute out of the pipeline's functions."
+            )
+
+
 # -- integer state computed from the batch (DP x PP) --------------------------------------------
 def _deps(jaxpr: Any, ins: list[bool]) -> list[bool]:
     """Per output of `jaxpr`: whether it depends on an input flagged in `ins` (data
@@ -1430,9 +1472,15 @@ def _acc_zeros(tree: Any, reduce: Any) -> Any:
     )
 
 
+def _names(axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """`axis` as a tuple of names (None: none)."""
+    return () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+
+
 def _device_axes(cfg: _Static) -> tuple[str, ...]:
-    """The axes every value inside the step varies over: the stage and data axes."""
-    return (cfg.stage_axis,) if cfg.data_axis is None else (cfg.stage_axis, cfg.data_axis)
+    """The axes every value inside the step varies over: the stage and data axes (a
+    context axis among them: each device holds its own part of the sequence)."""
+    return (cfg.stage_axis, *_names(cfg.data_axis))
 
 
 class _Local(NamedTuple):
@@ -1491,6 +1539,7 @@ def _probe(cfg: _Static, d: _Local) -> _Probe:
     h_zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h_aval)
     h_zero = _vary(h_zero, _device_axes(cfg))
     out_aval = _check_fns(cfg, tr0.merge(st0), tr_sh.merge(st_sh), x0, h_zero, y0)
+    _check_no_permutes(cfg, tr0.merge(st0), tr_sh.merge(st_sh), x0, h_zero, y0)
     _check_int_state(cfg, (tr0, st0), (tr_sh, st_sh), x0, h_zero, y0)
     _check_keeps_activation(where, h_aval, out_aval)
     last = lambda s: _last_loss(fns, tr_sh, s, h_zero, y0, n, cfg.reduce)[1]  # noqa: E731
@@ -1632,15 +1681,16 @@ def _settle_shared(
     )
 
 
-def _over_data(x: jax.Array, data: str) -> jax.Array:
+def _over_data(x: jax.Array, data: str | tuple[str, ...]) -> jax.Array:
     """State leaf `x` made equal over the data shards: floating state (running
     statistics) averaged; integer state (Rng seed and counter), which advances alike on
     every shard, kept in its dtype (pmax of equal values)."""
-    if data not in varying_axes(x):
+    axes = tuple(a for a in _names(data) if a in varying_axes(x))
+    if not axes:
         return x
     if jnp.issubdtype(x.dtype, jnp.floating):
-        return lax.pmean(x, data)
-    return lax.pmax(x, data)
+        return lax.pmean(x, axes)
+    return lax.pmax(x, axes)
 
 
 def _reduce(
@@ -1704,7 +1754,8 @@ def pipeline_value_and_grad(
     num_microbatches: int | None = None,
     first_fn: Callable[[Params, Any], tuple[Any, Params]] | None = None,
     stage_axis: str = "stage",
-    data_axis: str | None = None,
+    data_axis: str | tuple[str, ...] | None = None,
+    batch_spec: PartitionSpec | None = None,
     remat: bool = False,
     remat_policy: Callable[..., bool] | None = None,
     stage_specs: Params | None = None,
@@ -1785,7 +1836,16 @@ def pipeline_value_and_grad(
       num_microbatches: ``m``; required unless `schedule` is a `Schedule`.
       first_fn: as above; ``None`` passes the inputs to stage 0 unchanged.
       stage_axis: the pipeline mesh axis.
-      data_axis: an optional data-parallel mesh axis.
+      data_axis: an optional data-parallel mesh axis, or a tuple of axes the loss and
+        the gradients are reduced over: ``('data', 'context')`` with
+        ``batch_spec=cp_batch_spec('data', 'context')`` splits the rows over ``data`` and
+        the sequence over ``context`` (context parallelism inside the stages, whose
+        attention is built with ``context_axis='context'``); every shard must then hold
+        the same number of tokens (or give ``aux['weight']``), as in `make_dp_train_step`.
+        The listed `rngs` are folded over every one of these axes.
+      batch_spec: the ``PartitionSpec`` of every input and target leaf (default
+        ``P(data_axis)``: the rows over the data axes). FSDP stage specs (below) take one
+        data axis.
       remat: recompute the stage's activations in the backward
         (``jax.checkpoint``): only what `remat_policy` saves is stashed.
       remat_policy: a ``jax.checkpoint_policies`` policy; default (``None``) saves
@@ -1891,26 +1951,23 @@ def pipeline_value_and_grad(
     fns = _Fns(call_stage, first_fn, last_fn, bool(has_aux), plain_stage)
     cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
     cfg = _Static(fns, sched, stage_axis, data_axis, dp=dp, reduce=reduce, rngs=rngs, row_major=cpu)
+    batch = PartitionSpec(data_axis) if batch_spec is None else batch_spec
+    if batch_spec is not None and data_axis is None:
+        raise ValueError(f"{where}: batch_spec={batch_spec} needs data_axis= (the axes it splits).")
 
     def step(stage_params: Params, shared_params: Params, inputs: Any, targets: Any):
         _check_step_args(
-            where, stage_params, shared_params, inputs, targets, (p, v), stage_axis, m, dp
-        )
+            where, stage_params, shared_params, inputs, targets, (p, v), stage_axis, m,
+            None if data_axis is not None else 1,
+        )  # fmt: skip
+        if data_axis is not None:  # rows over the data axes x m, other dims their axes
+            _check_batch_rows((inputs, targets), mesh, batch, m, data_axis, where)
         # A multi-process mesh takes global arrays only (DP's check and message).
         _check_global_batch((inputs, targets), mesh, data_axis, where)
-        for r in rngs:
-            if r.param_path("seed") not in stage_params and r.param_path("seed") not in (
-                shared_params
-            ):
-                raise ValueError(
-                    f"{where}: rngs lists the Rng '{r.path_str}', whose seed is in neither "
-                    "stage_params nor shared_params; list the Rngs the model's functions "
-                    "draw from, seeded in the params you pass (rng.seed(params, seed=...))."
-                )
+        _check_rngs_seeded(where, rngs, stage_params, shared_params)
         specs = _stage_partition_specs(where, stage_params, stage_specs, stage_axis, v)
         fsdp = _stage_fsdp_dims(where, stage_params, stage_specs, data_axis)
         rep = jax.tree.map(lambda _: PartitionSpec(), shared_params)
-        batch = PartitionSpec(data_axis)
         out_specs = (
             (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec(),
             (specs.split()[0], rep.split()[0]),
@@ -1932,6 +1989,17 @@ def pipeline_value_and_grad(
         return value, grads, (stage_params.merge(st), shared_params.merge(st_sh))
 
     return step
+
+
+def _check_rngs_seeded(where: str, rngs: tuple, stage_params: Params, shared: Params) -> None:
+    """Every listed `Rng` has its seed in the stage or the shared params."""
+    for r in rngs:
+        if r.param_path("seed") not in stage_params and r.param_path("seed") not in shared:
+            raise ValueError(
+                f"{where}: rngs lists the Rng '{r.path_str}', whose seed is in neither "
+                "stage_params nor shared_params; list the Rngs the model's functions "
+                "draw from, seeded in the params you pass (rng.seed(params, seed=...))."
+            )
 
 
 def _stage_partition_specs(
@@ -1961,11 +2029,21 @@ def _stage_partition_specs(
 
 
 def _stage_fsdp_dims(
-    where: str, stage_params: Params, stage_specs: Params | None, data_axis: str | None
+    where: str, stage_params: Params, stage_specs: Params | None, data_axis: Any
 ) -> tuple[tuple[Path, int], ...]:
     """``((path, dim), ...)`` of the stage leaves whose spec shards ``dim`` (of one stage)
     over `data_axis` (FSDP inside the stages); checks they are trainable."""
     if stage_specs is None or data_axis is None:
+        return ()
+    names = _names(data_axis)
+    if len(names) > 1:
+        over = sorted({format_path(k) for a in names for k in _sharded_dims(stage_specs, a, where)})
+        if over:
+            raise ValueError(
+                f"{where}: stage_specs shard {over[:3]} over the data axes {names}; FSDP "
+                "inside the stages takes one data axis: shard them over that one only, or "
+                "pass data_axis= one axis."
+            )
         return ()
     dims = _sharded_dims(stage_specs, data_axis, where)
     trainable = set(stage_params.split()[0].keys())
@@ -1986,11 +2064,11 @@ def _resolve_schedule(
     num_microbatches: int | None,
     virtual_stages: int | None,
     stage_axis: str,
-    data_axis: str | None,
+    data_axis: str | tuple[str, ...] | None,
 ) -> tuple[Schedule, int, int]:
-    """Checks the mesh axes and the schedule; returns ``(schedule, p, data-axis size)``."""
+    """Checks the mesh axes and the schedule; returns ``(schedule, p, data-axes size)``."""
     names = tuple(mesh.axis_names)
-    for label, ax in (("stage_axis", stage_axis), ("data_axis", data_axis)):
+    for label, ax in (("stage_axis", stage_axis), *(("data_axis", a) for a in _names(data_axis))):
         if ax is not None and ax not in names:
             raise ValueError(
                 f"{where}: {label}={ax!r} is not an axis of the mesh {names}; build the mesh "
@@ -2024,7 +2102,12 @@ def _resolve_schedule(
                 f"{where}: pass num_microbatches= with schedule={schedule!r} (or a Schedule)."
             )
         sched = schedule_from(schedule, p, num_microbatches, virtual_stages=virtual_stages)
-    dp = int(mesh.shape[data_axis]) if data_axis is not None else 1
+    dp = math.prod(int(mesh.shape[a]) for a in _names(data_axis))
+    if stage_axis in _names(data_axis):
+        raise ValueError(
+            f"{where}: data_axis={data_axis!r} names the stage axis {stage_axis!r}; the "
+            "data axes split the batch, the stage axis the model."
+        )
     return sched, p, dp
 
 
@@ -2037,7 +2120,7 @@ def _check_step_args(
     pv: tuple[int, int],
     stage_axis: str,
     m: int,
-    dp: int,
+    dp: int | None,
 ) -> None:
     """The checks `step` runs before tracing: Params types, the stage dimensions ``(p,)``
     (``(v, p)`` with virtual stages), batch."""
@@ -2061,7 +2144,7 @@ def _check_step_args(
                 f"{stage_axis!r}; stack one Params per stage with stack_stages (got "
                 f"{shape[0] if shape else 'a scalar'} stages)."
             )
-    for what, tree in (("inputs", inputs), ("targets", targets)):
+    for what, tree in (("inputs", inputs), ("targets", targets)) if dp is not None else ():
         for kp, x in jax.tree_util.tree_leaves_with_path(tree):
             b = jnp.shape(x)[0] if jnp.ndim(x) else None
             if b is None or b % (m * dp):
