@@ -16,67 +16,31 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import blox as bx
 from blox import parallel as bp
+from tests.parallel.test_pipeline_3d import _batch, _gpt, _reference_grad
 from tests.tolerances import tol
 
 F32 = tol(jnp.float32)
-V, D, N, B, T = 16, 32, 4, 8, 16
 
 
-def _model(context_axis=None, variant="ring"):
-    """``first_fn, stage_fn, last_fn, shared, stages``: the same paths and values with
-    and without a context axis."""
-    g = bx.Graph("gpt")
-    rng = bx.Rng(g / "rng")
-    embed = bx.Embed(g / "embed", V, D, rng)
-    norm = bx.LayerNorm(g / "norm")
-    sg = bx.Graph("stage")
-    srng = bx.Rng(sg / "rng")
+def _model(context_axis=None, variant="allgather"):
+    """``first_fn, stage_fn, last_fn, shared, stages`` of `test_pipeline_3d`'s two-stage
+    GPT, its block built with the context axis (the same paths and values without)."""
     kw = {} if context_axis is None else dict(context_axis=context_axis, context_variant=variant)
-    block = bx.TransformerBlock(sg / "block", D, N, srng, mlp_size=2 * D, use_rope=True, **kw)
-
-    def first_fn(params, tokens):
-        return embed(params, tokens)
-
-    def stage_fn(params, h):
-        return block(params, h, is_causal=True)
-
-    def last_fn(params, h, y):
-        h, params = norm(params, h)
-        logits, params = embed.attend(params, h)
-        ll = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(ll, y[..., None], axis=-1)), params
-
-    x0 = jnp.zeros((1, T), jnp.int32)
-    shared = rng.seed(bx.Params(), seed=0)
-    h, shared = first_fn(shared, x0)
-    shared = last_fn(shared, h, x0)[1].locked()
-    stages = [stage_fn(srng.seed(bx.Params(), seed=1 + s), h)[1].locked() for s in range(2)]
+    first_fn, stage_fn, last_fn, init = _gpt(False, **kw)
+    stages, shared = init()
     return first_fn, stage_fn, last_fn, shared, stages
-
-
-def _data():
-    r = np.random.default_rng(0)
-    toks = r.integers(0, V, (B, T + 1)).astype(np.int32)
-    return jnp.asarray(toks[:, :-1]), jnp.asarray(toks[:, 1:])
 
 
 def _reference():
     first_fn, stage_fn, last_fn, shared, stages = _model()
-    x, y = _data()
-
-    def loss(tr_sh, tr_stages):
-        p_sh = tr_sh.merge(shared.split()[1])
-        h, _ = first_fn(p_sh, x)
-        for tr, st in zip(tr_stages, stages, strict=True):
-            h, _ = stage_fn(tr.merge(st.split()[1]), h)
-        return last_fn(p_sh, h, y)[0]
-
     with jax.default_matmul_precision("highest"):
-        return jax.jit(jax.value_and_grad(loss, (0, 1)))(
-            shared.split()[0], [s.split()[0] for s in stages]
-        )
+        loss, (g, g_sh) = _reference_grad(first_fn, stage_fn, last_fn)(stages, shared, *_data())
+    return loss, (g_sh, g)
+
+
+def _data():
+    return _batch(0)
 
 
 @pytest.mark.parametrize("schedule, data", [("1f1b", 2), ("zb", 1), ("gpipe", 2)])
@@ -128,8 +92,8 @@ def test_fsdp_over_two_data_axes_and_misplaced_batch_raise():
         stage_fn, last_fn, mesh, num_microbatches=2, first_fn=first_fn,
         data_axis=("data", "context"), batch_spec=bp.cp_batch_spec("data", "context"),
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"dimension 1 \(length 15\) is split over \('context',\)"):
-        step(bp.stack_stages(stages), shared, x[:, :15], y[:, :15])
+    with pytest.raises(ValueError, match=r"dimension 1 \(length 7\) is split over \('context',\)"):
+        step(bp.stack_stages(stages), shared, x[:, :7], y[:, :7])
     with pytest.raises(ValueError, match=r"names the stage axis 'stage'"):
         bp.pipeline_value_and_grad(
             stage_fn, last_fn, mesh, num_microbatches=2, data_axis=("data", "stage")

@@ -17,7 +17,7 @@ from blox import parallel as bp
 VOCAB, WIDTH, HEADS, CONTEXT, BATCH, P = 16, 16, 4, 8, 8, 2
 
 
-def _gpt(parallel: bool, n_stages: int = P):
+def _gpt(parallel: bool, n_stages: int = P, **block_kw):
     g = bx.Graph("lm")
     rng = bx.Rng(g / "rng")
     embed = bx.Embed(g / "embed", VOCAB, WIDTH, rng)
@@ -25,7 +25,7 @@ def _gpt(parallel: bool, n_stages: int = P):
     sg = bx.Graph("stage")
     srng = bx.Rng(sg / "rng")
     cls = bp.ParallelTransformerBlock if parallel else bx.TransformerBlock
-    block = cls(sg / "block", WIDTH, HEADS, srng, use_rope=True)
+    block = cls(sg / "block", WIDTH, HEADS, srng, use_rope=True, **block_kw)
 
     def first_fn(params, tokens):
         return embed(params, tokens)
