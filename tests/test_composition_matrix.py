@@ -925,7 +925,8 @@ model, which has no experts: it checks how expert parallelism carries the state 
 rest of a model, its batch split over the expert axis as DP splits it. Context
 parallelism splits a sequence axis, which this model of rows does not have: its steps
 (DP and FSDP over `('data', 'context')`, dropout per data and context shard) are
-checked against one device in `tests/parallel/test_context_steps.py`.
+checked against one device in `tests/parallel/test_context_steps.py`, and inside
+pipeline stages in `tests/parallel/test_context_pipeline.py`.
 """
 
 _SAME = """\
