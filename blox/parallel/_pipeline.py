@@ -1909,7 +1909,10 @@ def pipeline_value_and_grad(
         state a function computes from the batch; an `Rng` in `rngs` that neither
         params hold; a shared non-trainable leaf that `first_fn` and
         `last_fn` both change, other than an `Rng` counter; a process-local batch on a
-        multi-process mesh; a `reduce_dtype` that is not floating.
+        multi-process mesh; a `reduce_dtype` that is not floating; a function that runs
+        a ``ppermute`` (ring attention: use ``context_variant='allgather'`` in stages);
+        the stage axis among the data axes; FSDP stage specs with several data axes; a
+        `batch_spec` without `data_axis`, or a batch dimension its axes do not divide.
       TypeError: a function that does not return ``(outputs, params)``; `rngs` that are
         not `Rng` modules.
 
