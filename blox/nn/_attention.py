@@ -18,6 +18,17 @@ from blox.nn._position import apply_rotary, check_context_axis, context_shard, g
 __all__ = ["MultiHeadAttention"]
 
 
+def _checked_key_mask(where: str, key_mask: Any, dims: str, shape: tuple, note: str) -> jax.Array:
+    """`key_mask` as an array, raising, naming `where`, unless it is boolean of `shape`."""
+    key_mask = jnp.asarray(key_mask)
+    if key_mask.shape != shape or key_mask.dtype != jnp.bool_:
+        raise ValueError(
+            f"{where}: key_mask must be a boolean array of shape {dims} = {shape} ({note}), "
+            f"got {key_mask.dtype} {tuple(key_mask.shape)}."
+        )
+    return key_mask
+
+
 class HeadLayout(NamedTuple):
     """The heads one call of `MultiHeadAttention` computes (`MultiHeadAttention.
     head_layout`): all of them, or one device's share under tensor parallelism.
@@ -533,13 +544,10 @@ class MultiHeadAttention(Module):
             q = apply_rotary(q, rope, base=self.rope_base)
             kk = apply_rotary(kk, rope, base=self.rope_base)
         if key_mask is not None:
-            key_mask = jnp.asarray(key_mask)
-            if key_mask.shape != (b, t) or key_mask.dtype != jnp.bool_:
-                raise ValueError(
-                    f"{self._where()}: key_mask must be a boolean array of shape (B, T) = "
-                    f"{(b, t)} (this device's shard of the sequence; False = padding), got "
-                    f"{key_mask.dtype} {tuple(key_mask.shape)}."
-                )
+            key_mask = _checked_key_mask(
+                self._where(), key_mask, "(B, T)", (b, t),
+                "this device's shard of the sequence; False = padding",
+            )  # fmt: skip
         a = self.attend(
             q,
             kk,
@@ -889,12 +897,7 @@ class MultiHeadAttention(Module):
                 mask = jax.lax.dynamic_slice_in_dim(mask, heads.first, heads.num_heads, 1)
             out = mask if out is None else jnp.logical_and(out, mask)
         if key_mask is not None:
-            key_mask = jnp.asarray(key_mask)
-            if key_mask.shape != (b, s) or key_mask.dtype != jnp.bool_:
-                raise ValueError(
-                    f"{where}: key_mask must be a boolean array of shape (B, S) = {(b, s)} "
-                    f"(False = padding), got {key_mask.dtype} {tuple(key_mask.shape)}."
-                )
+            key_mask = _checked_key_mask(where, key_mask, "(B, S)", (b, s), "False = padding")
             km = key_mask.reshape(b, 1, 1, s)
             out = km if out is None else jnp.logical_and(out, km)
         return out

@@ -87,6 +87,7 @@ from blox.parallel._dp import (
     WEIGHT_KEY,
     _aux_finish,
     _aux_terms,
+    _axis_names,
     _check_batch_rows,
     _check_global_batch,
     _check_rngs,
@@ -1473,8 +1474,8 @@ def _acc_zeros(tree: Any, reduce: Any) -> Any:
 
 
 def _names(axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    """`axis` as a tuple of names (None: none)."""
-    return () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+    """`axis` as a tuple of names (None: none), checked as DP checks its axes."""
+    return () if axis is None else _axis_names(axis, "pipeline_value_and_grad")
 
 
 def _device_axes(cfg: _Static) -> tuple[str, ...]:
